@@ -68,8 +68,10 @@ def _user_frames(tb):
 
 
 def describe_exception(error: BaseException, status: int) -> str:
-    last = traceback.format_exception_only(type(error), error)[-1].strip()
-    return f"{last} (exit code {status})"
+    """``Type: first line of the message (exit code N)`` — without notes (JAX adds some)."""
+    lines = str(error).strip().splitlines()
+    first = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
+    return f"{first} (exit code {status})"
 
 
 def abort_job(status: int, reason: str) -> None:

@@ -167,11 +167,12 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                      else a.value for a in self._accumulators]
             self.inner_optimizer.apply(self._reduce(local, variables), trainable_variables)
             for accumulator in self._accumulators:
-                accumulator.assign(ops.zeros_like(accumulator))
+                accumulator.assign(ops.zeros(accumulator.shape, accumulator.dtype))
             self._pass_counter.assign(0)
 
-        ops.cond(ops.equal(self._pass_counter, self.backward_passes_per_step),
-                 reduce_and_apply, lambda: None)
+        engines.get_engine_or_default().cond_update(
+            ops.equal(self._pass_counter, self.backward_passes_per_step), reduce_and_apply,
+            list(variables) + self.variables)
 
     # -- forwarded to the inner optimizer ---------------------------------------------------
     @property

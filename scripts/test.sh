@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The project's one test command (README "Quick start"; .ci/run calls exactly this).
 # Installs the package with its test and backend extras into the current Python, then runs
-# the suite once per Keras backend (MGPU_TEST_BACKENDS, default: every backend we support that
-# is installable here). Extra arguments go to pytest.
+# the suite for each Keras backend in MGPU_TEST_BACKENDS (default: every backend with an
+# engine): everything under the first, then only the tests marked `backend` under the others.
+# Extra arguments go to pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
-backends=${MGPU_TEST_BACKENDS:-tensorflow}
+backends=${MGPU_TEST_BACKENDS:-tensorflow jax}
 
 extras=test
 for backend in $backends; do
@@ -20,14 +21,16 @@ done
 "$python" -m pip install -q --disable-pip-version-check -e ".[$extras]" || exit 1
 
 status=0
+select=()
 for backend in $backends; do
-  echo "=== KERAS_BACKEND=$backend"
-  KERAS_BACKEND=$backend "$python" -m pytest -q "$@"
+  echo "=== KERAS_BACKEND=$backend ${select[*]}"
+  KERAS_BACKEND=$backend "$python" -m pytest -q "${select[@]}" "$@"
   rc=$?
   if [ "$rc" -eq 5 ]; then
     echo "(pytest collected no tests for $backend)"
   elif [ "$rc" -ne 0 ]; then
     status=$rc
   fi
+  select=(-m backend)
 done
 exit $status

@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence
 #: backend name -> "module:Class"
 ENGINES: Dict[str, str] = {
     "tensorflow": "mgpu_launch.engines.tensorflow:TensorFlowEngine",
+    "jax": "mgpu_launch.engines.jax:JaxEngine",
 }
 
 
@@ -46,6 +47,19 @@ class Engine:
         """
         raise NotImplementedError
 
+    def densify(self, gradient):
+        """A sparse gradient (e.g. TF IndexedSlices) as a dense tensor; others unchanged."""
+        return gradient
+
+    def cond_update(self, predicate, update, variables) -> None:
+        """Run ``update()`` (which assigns some of `variables`) only where `predicate` holds.
+
+        Inside the compiled step. The default is ``keras.ops.cond``; a backend whose step is a
+        pure function (JAX) overrides it.
+        """
+        from keras import ops
+        ops.cond(predicate, update, lambda: None)
+
     def broadcast_variables(self, variables: Sequence[Any], root_rank: int) -> None:
         """Assign rank `root_rank`'s values to `variables` (Keras variables) on every rank."""
         import numpy as np
@@ -79,6 +93,14 @@ def get_engine(backend: Optional[str] = None) -> Engine:
     module_name, class_name = ENGINES[backend].split(":")
     _engine = getattr(importlib.import_module(module_name), class_name)()
     return _engine
+
+
+def get_engine_or_default() -> Engine:
+    """The backend's engine, or the base Engine's defaults for a backend without one."""
+    try:
+        return get_engine()
+    except ValueError:
+        return Engine()
 
 
 def reset() -> None:

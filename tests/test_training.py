@@ -1,7 +1,8 @@
-"""THE correctness suite on the TensorFlow backend: N processes x batch b == 1 process x batch N*b.
+"""THE correctness suite, for the Keras backend in KERAS_BACKEND: N processes x batch b == 1 x N*b.
 
 Every run is a real `mgpu-train` job training a Dense model through `model.fit`; the reference
-is the same script on one process with the plain optimizer and the global batch.
+is the same script on one process with the plain optimizer and the global batch. scripts/test.sh
+runs this module once per backend.
 """
 
 import json
@@ -12,15 +13,14 @@ import pytest
 
 from conftest import SCRIPTS, explain, launch, requires_mpirun
 
-pytestmark = [
-    requires_mpirun,
-    pytest.mark.skipif(os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow",
-                       reason="TensorFlow-backend suite"),
-]
-pytest.importorskip("tensorflow")
+BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
+pytestmark = [requires_mpirun, pytest.mark.backend]
+pytest.importorskip(BACKEND)
+only_on = {name: pytest.mark.skipif(BACKEND != name, reason=f"{name}-backend only")
+           for name in ("tensorflow", "jax", "torch")}
 
 TRAIN = os.path.join(SCRIPTS, "train.py")
-QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_BACKEND": "tensorflow"}
+QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_BACKEND": BACKEND}
 
 
 def train(tmp_path_factory, config, np_=None, **env):
@@ -101,6 +101,7 @@ def test_different_seeds_start_from_rank_0(tmp_path_factory, reference):
     assert_same(weights[0], reference["sgd"])
 
 
+@only_on["tensorflow"]
 def test_mpi_transport(tmp_path_factory, reference):
     weights, _ = train(tmp_path_factory, {}, np_=2, MGPU_TF_TRANSPORT="mpi")
     assert_ranks_identical(weights)
@@ -125,9 +126,17 @@ def test_different_models_fail_fast_with_the_variable_named(tmp_path_factory):
     assert "(6, 9)" in result.stderr and "(6, 8)" in result.stderr, explain(result)
 
 
+@only_on["tensorflow"]
 def test_explicit_xla_on_cpu_is_refused_clearly(tmp_path_factory):
     out = tmp_path_factory.mktemp("xla")
     result = launch("-np", "2", TRAIN, json.dumps({"jit_compile": True}), str(out),
                     timeout=120, **QUIET)
     assert result.returncode != 0
     assert "cannot be compiled with XLA" in result.stderr, explain(result)
+
+
+def test_single_process_accumulation(tmp_path_factory, reference):
+    # No launcher: size 1, no collectives; 2 passes of 8 == one update over 16.
+    weights, info = train(tmp_path_factory, {"passes": 2, "global_batch": 16})
+    assert_same(weights[0], reference["sgd_batch16"])
+    assert info[0]["optimizer"] == "DistributedOptimizer"

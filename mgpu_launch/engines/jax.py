@@ -1,0 +1,279 @@
+"""JAX engine: one process per device, gradients averaged by ``psum`` inside the jitted step.
+
+Route chosen (README, "JAX backend"): Keras's train step runs under ``jax.shard_map`` over a
+one-axis mesh of every process's device. Each device computes the loss, gradients and
+BatchNorm statistics of its *own* local batch (Horovod's semantics); the DistributedOptimizer's
+``psum`` is the only collective in the step, and XLA lowers it to NCCL on GPU (gloo on CPU).
+The alternative, ``keras.distribution.DataParallel``, lets GSPMD compute the loss over the
+global batch: that also makes BatchNorm statistics global (one small allreduce per BN layer,
+forward and backward) and measured slower at 2 GPUs.
+
+Plumbing, all zero-copy: at each step the process-local state and batch are viewed as global
+arrays (``jax.make_array_from_single_device_arrays``: state "replicated", batch split along
+axis 0 across processes); the step's outputs go back to Keras as they are, and become local
+arrays again only when Keras writes them into its variables (``jax_state_sync``). For this the
+engine replaces two methods of Keras's ``JAXTrainer`` — ``make_train_function`` and
+``jax_state_sync`` — and only changes their behaviour for a model compiled with a
+``DistributedOptimizer`` in a multi-process job. Evaluation and prediction stay local.
+
+Set-up (``mgpu.init()``): rank 0 picks the coordinator address, MPI broadcasts it, and every
+rank calls ``jax.distributed.initialize`` with its device given by ``local_device_ids`` (pinning
+by CUDA_VISIBLE_DEVICES hung JAX's topology exchange on our GPU machine). This must happen
+before JAX touches a device. ``MGPU_JAX_COORDINATOR`` (host:port) overrides the address and
+``MGPU_JAX_INIT_TIMEOUT`` (seconds, default 60) bounds the wait for the other processes.
+"""
+
+import os
+import socket
+from typing import Any, List, Sequence
+
+import numpy as np
+
+from mgpu_launch.engines import Engine
+
+AXIS = "mgpu"
+
+
+def _coordinator_address() -> str:
+    configured = os.environ.get("MGPU_JAX_COORDINATOR")
+    if configured:
+        return configured
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    return f"{socket.gethostbyname(socket.gethostname())}:{port}"
+
+
+def _probe_coordinator(address: str, comm, timeout: float) -> None:
+    """Fail clearly, on every rank, when some rank cannot open a TCP connection to `address`.
+
+    jax.distributed's client aborts the whole process (a C++ fatal error, no Python exception)
+    when it cannot connect, so the address is tried first with a plain socket: rank 0 listens on
+    the port, every rank connects, and the results are shared over MPI.
+    """
+    host, _, port = address.rpartition(":")
+    listener = None
+    if comm.Get_rank() == 0:
+        try:
+            listener = socket.create_server(("", int(port)))
+        except (OSError, ValueError) as error:
+            problem = f"rank 0 cannot listen on port {port!r} ({error})"
+        else:
+            problem = None
+    else:
+        problem = None
+    problem = comm.bcast(problem, root=0)
+    if problem is None:
+        try:
+            with socket.create_connection((host, int(port)), timeout=timeout):
+                pass
+        except OSError as error:
+            problem = f"cannot connect to it ({type(error).__name__}: {error or 'timed out'})"
+    problems = comm.allgather(problem)
+    if listener is not None:
+        listener.close()
+    failed = [(rank, text) for rank, text in enumerate(problems) if text]
+    if failed:
+        rank, text = failed[0]
+        raise RuntimeError(
+            f"the JAX coordinator address {address} does not work: rank {rank} {text} "
+            f"({len(failed)} of {len(problems)} ranks failed, within {timeout:g} s). Every rank "
+            f"must reach rank 0's host on that port: check the firewall, or set "
+            f"MGPU_JAX_COORDINATOR=host:port to an address of rank 0's host.")
+
+
+class JaxEngine(Engine):
+    name = "jax"
+
+    def __init__(self):
+        self.size = 1
+        self.comm = self.mesh = self.device = None
+        self._in_step = False
+        self._checked_batches = set()
+
+    # -- set-up -------------------------------------------------------------------------------
+    def setup(self, state) -> None:
+        import jax
+        from jax._src import xla_bridge
+
+        from launcher import devices
+
+        if xla_bridge.backends_are_initialized():
+            raise RuntimeError(
+                "mgpu.init() must run before JAX uses any device (jax.distributed can only be "
+                "initialized first), but JAX's backends are already up in this process. Call "
+                "mgpu.init() at the top of the script, before building a model or creating "
+                "any array (importing keras and jax before it is fine).")
+        self.size, self.comm = state.size, state.comm
+        address = state.comm.bcast(_coordinator_address() if state.rank == 0 else None, root=0)
+        timeout = int(float(os.environ.get("MGPU_JAX_INIT_TIMEOUT", "60")))
+        _probe_coordinator(address, state.comm, timeout)
+        options = {}
+        if devices.visible_gpus():
+            local = int(os.environ.get("MGPU_LOCAL_DEVICE", state.local_rank))
+            options["local_device_ids"] = [local]
+        else:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        try:
+            jax.distributed.initialize(address, num_processes=state.size, process_id=state.rank,
+                                       initialization_timeout=timeout, **options)
+        except Exception as error:  # jaxlib raises its own XlaRuntimeError types
+            raise RuntimeError(
+                f"rank {state.rank} could not join the JAX coordinator at {address} within "
+                f"{timeout} s ({type(error).__name__}: {error}). Raise MGPU_JAX_INIT_TIMEOUT "
+                f"if the processes start slowly.") from error
+        if len(jax.local_devices()) != 1:
+            raise RuntimeError(
+                f"rank {state.rank} sees {len(jax.local_devices())} JAX devices; mgpu_launch "
+                f"runs one process per device. Start one process per GPU (mgpu-train -np N).")
+        ordered = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+        self.mesh = jax.sharding.Mesh(np.array(ordered), (AXIS,))
+        self.device = jax.local_devices()[0]
+        _patch_trainer(self)
+
+    def shutdown(self) -> None:
+        if self.mesh is not None:
+            import jax
+            jax.distributed.shutdown()
+            self.mesh = None
+
+    # -- inside the step ------------------------------------------------------------------------
+    def allreduce(self, tensors: Sequence[Any], *, average: bool, prescale: float = 1.0,
+                  postscale: float = 1.0, compression=None) -> List[Any]:
+        import jax
+        import jax.numpy as jnp
+
+        if not self._in_step:
+            raise RuntimeError(
+                "the JAX gradient allreduce runs only inside model.fit / train_on_batch of a "
+                "model compiled with mgpu.DistributedOptimizer (the train step mgpu_launch "
+                "builds). A custom training loop must call model.train_on_batch or "
+                "optimizer.apply inside it.")
+        scale = postscale / self.size if average else postscale
+        wires = []
+        for tensor in tensors:
+            if prescale != 1.0:
+                tensor = tensor * jnp.asarray(prescale, tensor.dtype)
+            wires.append(compression.compress(tensor) if compression else tensor)
+        summed = jax.lax.psum(wires, AXIS)  # one all-reduce op; XLA combines and schedules it
+        result = []
+        for tensor, total in zip(tensors, summed):
+            total = compression.decompress(total, tensor.dtype) if compression else total
+            result.append(total * jnp.asarray(scale, total.dtype) if scale != 1.0 else total)
+        return result
+
+    def cond_update(self, predicate, update, variables) -> None:
+        """``update()`` when `predicate`, else nothing, for code run in Keras's stateless step.
+
+        ``update`` assigns some of `variables` (all it reads or writes must be among them);
+        it is traced once as a pure function of their values inside ``jax.lax.cond``.
+        """
+        import jax
+        from keras.src.backend.common.stateless_scope import StatelessScope
+
+        variables = list(variables)
+
+        def run(values):
+            with StatelessScope(state_mapping=list(zip(variables, values))) as scope:
+                update()
+            return [scope.get_current_value(v) for v in variables]
+
+        new = jax.lax.cond(predicate, run, lambda values: list(values),
+                           [v.value for v in variables])
+        for variable, value in zip(variables, new):
+            variable.assign(value)
+
+    # -- the distributed train function ------------------------------------------------------------
+    def train_function(self, model):
+        """``(state, batch) -> (logs, state)`` for Keras's fit loop, the step under shard_map."""
+        import jax
+        from jax.sharding import PartitionSpec
+
+        mapped = jax.shard_map(model.train_step, mesh=self.mesh,
+                               in_specs=(PartitionSpec(), PartitionSpec(AXIS)),
+                               out_specs=(PartitionSpec(), PartitionSpec()), check_vma=False)
+        compiled = jax.jit(mapped, donate_argnums=0)
+        replicated = jax.sharding.NamedSharding(self.mesh, PartitionSpec())
+        split = jax.sharding.NamedSharding(self.mesh, PartitionSpec(AXIS))
+        produced = []  # the state this function returned last: already global
+
+        def as_global(value, sharding, shape):
+            if not isinstance(value, jax.Array) or value.devices() != {self.device}:
+                value = jax.device_put(value, self.device)
+            return jax.make_array_from_single_device_arrays(shape, sharding, [value])
+
+        def step(state, batch):
+            if not (produced and state is produced[0]):
+                state = jax.tree.map(lambda v: as_global(v, replicated, np.shape(v)), state)
+            self._check_batch(batch)
+            batch = jax.tree.map(
+                lambda v: as_global(v, split, (self.size * v.shape[0],) + tuple(v.shape[1:])),
+                batch)
+            self._in_step = True
+            try:
+                logs, state = compiled(state, batch)
+            finally:
+                self._in_step = False
+            produced[:] = [state]
+            return localize(logs), state
+
+        return step
+
+    def _check_batch(self, batch) -> None:
+        """Once per batch structure: every rank must feed the same shapes (else XLA hangs)."""
+        import jax
+
+        from mgpu_launch import collectives
+
+        signature = str(jax.tree.map(lambda v: (tuple(np.shape(v)), str(v.dtype)), batch))
+        if signature in self._checked_batches:
+            return
+        everyone = collectives.allgather_object(signature)
+        for rank, theirs in enumerate(everyone):
+            if theirs != everyone[0]:
+                raise collectives.MismatchError(
+                    f"ranks feed different batches to the train step: rank {rank} has "
+                    f"{theirs}, rank 0 has {everyone[0]}. Every rank needs the same batch "
+                    f"size and number of steps (shard the data into equal parts).")
+        self._checked_batches.add(signature)
+
+
+def localize(tree):
+    """This process's copy of every global array in `tree` (other leaves unchanged)."""
+    import jax
+
+    def local(value):
+        if isinstance(value, jax.Array) and not value.is_fully_addressable:
+            return value.addressable_data(0)
+        return value
+    return jax.tree.map(local, tree)
+
+
+def _patch_trainer(engine: JaxEngine) -> None:
+    """Route fit/train_on_batch of DistributedOptimizer models through `engine`'s step."""
+    from keras.src.backend.jax.trainer import JAXTrainer
+
+    from mgpu_launch.optimizer import DistributedOptimizer
+
+    if getattr(JAXTrainer, "_mgpu_engine", None) is None:
+        original_make, original_sync = JAXTrainer.make_train_function, JAXTrainer.jax_state_sync
+
+        def make_train_function(self, force=False):
+            active = JAXTrainer._mgpu_engine
+            if active is None or active.mesh is None or not isinstance(
+                    getattr(self, "optimizer", None), DistributedOptimizer):
+                return original_make(self, force)
+            if self.train_function is not None and not force:
+                return
+            self.train_function = self._make_function(active.train_function(self))
+
+        def jax_state_sync(self):
+            if getattr(self, "_jax_state", None) and not self._jax_state_synced:
+                # Keras keeps these as TrackedLists, which jax.tree treats as leaves.
+                self._jax_state = {key: [localize(v) for v in values]
+                                   for key, values in self._jax_state.items()}
+            original_sync(self)
+
+        JAXTrainer.make_train_function = make_train_function
+        JAXTrainer.jax_state_sync = jax_state_sync
+    JAXTrainer._mgpu_engine = engine
