@@ -90,6 +90,10 @@ class JaxEngine(Engine):
         self.comm = self.mesh = self.device = None
         self._in_step = False
         self._checked_batches = set()
+        #: bytes per fused allreduce buffer; 0: one psum of the list, fused by XLA's combiner
+        self.fusion_bytes = int(float(os.environ.get("MGPU_FUSION_MB", "64")) * 2 ** 20)
+        #: profiling only: gradients are NOT averaged (each rank keeps size x its own)
+        self.skip_allreduce = os.environ.get("MGPU_PROFILE_SKIP_ALLREDUCE") == "1"
 
     # -- set-up -------------------------------------------------------------------------------
     def setup(self, state) -> None:
@@ -155,11 +159,45 @@ class JaxEngine(Engine):
             if prescale != 1.0:
                 tensor = tensor * jnp.asarray(prescale, tensor.dtype)
             wires.append(compression.compress(tensor) if compression else tensor)
-        summed = jax.lax.psum(wires, AXIS)  # one all-reduce op; XLA combines and schedules it
+        if self.skip_allreduce:
+            summed = [w * jnp.asarray(self.size, w.dtype) for w in wires]
+        elif self.fusion_bytes <= 0:
+            summed = jax.lax.psum(wires, AXIS)  # XLA's all-reduce combiner decides
+        else:
+            summed = self._fused_psum(wires)
         result = []
         for tensor, total in zip(tensors, summed):
             total = compression.decompress(total, tensor.dtype) if compression else total
             result.append(total * jnp.asarray(scale, total.dtype) if scale != 1.0 else total)
+        return result
+
+    def _fused_psum(self, tensors):
+        """psum of flat buffers of up to ``fusion_bytes`` each (Horovod's tensor fusion).
+
+        Buckets are filled from the last tensor to the first (the order backprop produces
+        gradients), one dtype at a time; each bucket is one collective.
+        """
+        import jax
+        import jax.numpy as jnp
+
+        result: List[Any] = [None] * len(tensors)
+        by_dtype = {}
+        for index in reversed(range(len(tensors))):
+            by_dtype.setdefault(str(tensors[index].dtype), []).append(index)
+        for dtype in sorted(by_dtype):
+            bucket, filled = [], 0
+            for position, index in enumerate(by_dtype[dtype]):
+                bucket.append(index)
+                filled += tensors[index].size * tensors[index].dtype.itemsize
+                if filled < self.fusion_bytes and position + 1 < len(by_dtype[dtype]):
+                    continue
+                flat = jnp.concatenate([jnp.ravel(tensors[i]) for i in bucket])
+                total = jax.lax.psum(flat, AXIS)
+                offset = 0
+                for i in bucket:
+                    result[i] = total[offset:offset + tensors[i].size].reshape(tensors[i].shape)
+                    offset += tensors[i].size
+                bucket, filled = [], 0
         return result
 
     def cond_update(self, predicate, update, variables) -> None:
@@ -225,10 +263,11 @@ class JaxEngine(Engine):
 
         from mgpu_launch import collectives
 
-        signature = str(jax.tree.map(lambda v: (tuple(np.shape(v)), str(v.dtype)), batch))
+        signature = (jax.tree.structure(batch),
+                     tuple((np.shape(v), str(v.dtype)) for v in jax.tree.leaves(batch)))
         if signature in self._checked_batches:
             return
-        everyone = collectives.allgather_object(signature)
+        everyone = collectives.allgather_object(str(signature))
         for rank, theirs in enumerate(everyone):
             if theirs != everyone[0]:
                 raise collectives.MismatchError(
