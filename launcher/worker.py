@@ -10,7 +10,6 @@ job so that no other rank stays blocked in a collective.
 import os
 import runpy
 import sys
-import traceback
 from typing import Optional, Sequence
 
 from launcher import devices, environments

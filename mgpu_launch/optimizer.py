@@ -108,6 +108,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             self._accumulators = [self.add_variable_from_reference(v, name="accumulated_grad")
                                   for v in var_list]
         super().build(var_list)
+        if self.backward_passes_per_step == 1 and runtime.is_multi_process():
+            engines.get_engine().watch(var_list, **self._reduction())
         self._synced = False
         self._sync_from_root()
 
@@ -137,13 +139,12 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def _reduce(self, grads: List[Any], variables) -> List[Any]:
         if not runtime.is_multi_process():
             return grads
-        engine = engines.get_engine()
-        dense = [ops.zeros_like(v) if g is None else engine.densify(g)
-                 for g, v in zip(grads, variables)]
-        average = self.op is collectives.Average
+        return engines.get_engine().reduce_gradients(grads, variables, **self._reduction())
+
+    def _reduction(self) -> dict:
         factor = self.gradient_predivide_factor
-        return engine.allreduce(dense, average=average, prescale=1.0 / factor,
-                                postscale=factor, compression=self.compression)
+        return {"average": self.op is collectives.Average, "prescale": 1.0 / factor,
+                "postscale": factor, "compression": self.compression}
 
     def apply(self, grads, trainable_variables=None):
         if not self.built:

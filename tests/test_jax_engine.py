@@ -35,6 +35,6 @@ def test_unreachable_coordinator_fails_fast_and_clearly():
                     MGPU_JAX_COORDINATOR="192.0.2.1:12345", MGPU_JAX_INIT_TIMEOUT="3", **JAX)
     elapsed = time.monotonic() - started
     assert result.returncode != 0
-    assert "the JAX coordinator address 192.0.2.1:12345 does not work" in result.stderr, \
+    assert "the rendezvous address 192.0.2.1:12345 does not work" in result.stderr, \
         explain(result)
     assert elapsed < 60, f"took {elapsed:.0f} s"

@@ -7,12 +7,15 @@ once, from ``keras.backend.backend()``, by :func:`get_engine`; framework imports
 """
 
 import importlib
+import os
+import socket
 from typing import Any, Dict, List, Optional, Sequence
 
 #: backend name -> "module:Class"
 ENGINES: Dict[str, str] = {
     "tensorflow": "mgpu_launch.engines.tensorflow:TensorFlowEngine",
     "jax": "mgpu_launch.engines.jax:JaxEngine",
+    "torch": "mgpu_launch.engines.torch:TorchEngine",
 }
 
 
@@ -47,6 +50,21 @@ class Engine:
         """
         raise NotImplementedError
 
+    def watch(self, variables, *, average: bool, prescale: float, postscale: float,
+              compression) -> None:
+        """Called at the optimizer's build: a backend may start reducing these variables'
+        gradients during backward (torch). The default waits for ``reduce_gradients``."""
+
+    def reduce_gradients(self, grads, variables, *, average: bool, prescale: float = 1.0,
+                         postscale: float = 1.0, compression=None) -> List[Any]:
+        """The optimizer's reduction: missing gradients as zeros, sparse ones dense, then
+        :meth:`allreduce` (or what :meth:`watch` already started)."""
+        from keras import ops
+        dense = [ops.zeros_like(v) if g is None else self.densify(g)
+                 for g, v in zip(grads, variables)]
+        return self.allreduce(dense, average=average, prescale=prescale, postscale=postscale,
+                              compression=compression)
+
     def densify(self, gradient):
         """A sparse gradient (e.g. TF IndexedSlices) as a dense tensor; others unchanged."""
         return gradient
@@ -72,6 +90,55 @@ class Engine:
 
 
 _engine: Optional[Engine] = None
+
+
+def rendezvous_address(state, override_variable: str, timeout: float = 60.0) -> str:
+    """A ``host:port`` on rank 0's host that every rank has proved it can connect to.
+
+    Rank 0 picks a free port (or the address in `override_variable`), MPI shares it, rank 0
+    listens on it and every rank opens a TCP connection within `timeout` seconds; the results
+    are shared, so an unreachable address is one clear error on every rank instead of a
+    framework's hang or C++ abort. The listener is closed again for the framework to bind.
+
+    Raises:
+        RuntimeError: naming the first rank that could not connect, and why.
+    """
+    comm = state.comm
+    address = None
+    if state.rank == 0:
+        address = os.environ.get(override_variable)
+        if not address:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind(("", 0))
+                port = sock.getsockname()[1]
+            address = f"{socket.gethostbyname(socket.gethostname())}:{port}"
+    address = comm.bcast(address, root=0)
+    host, _, port = address.rpartition(":")
+    listener, problem = None, None
+    if state.rank == 0:
+        try:
+            listener = socket.create_server(("", int(port)))
+        except (OSError, ValueError) as error:
+            problem = f"rank 0 cannot listen on port {port!r} ({error})"
+    problem = comm.bcast(problem, root=0)
+    if problem is None:
+        try:
+            with socket.create_connection((host, int(port)), timeout=timeout):
+                pass
+        except (OSError, ValueError) as error:
+            problem = f"cannot connect to it ({type(error).__name__}: {error or 'timed out'})"
+    problems = comm.allgather(problem)
+    if listener is not None:
+        listener.close()
+    failed = [(rank, text) for rank, text in enumerate(problems) if text]
+    if failed:
+        rank, text = failed[0]
+        raise RuntimeError(
+            f"the rendezvous address {address} does not work: rank {rank} {text} "
+            f"({len(failed)} of {len(problems)} ranks failed, within {timeout:g} s). Every rank "
+            f"must reach rank 0's host on that port: check the firewall, or set "
+            f"{override_variable}=host:port to an address of rank 0's host.")
+    return address
 
 
 def get_engine(backend: Optional[str] = None) -> Engine:

@@ -24,62 +24,13 @@ before JAX touches a device. ``MGPU_JAX_COORDINATOR`` (host:port) overrides the 
 """
 
 import os
-import socket
 from typing import Any, List, Sequence
 
 import numpy as np
 
-from mgpu_launch.engines import Engine
+from mgpu_launch.engines import Engine, rendezvous_address
 
 AXIS = "mgpu"
-
-
-def _coordinator_address() -> str:
-    configured = os.environ.get("MGPU_JAX_COORDINATOR")
-    if configured:
-        return configured
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        port = sock.getsockname()[1]
-    return f"{socket.gethostbyname(socket.gethostname())}:{port}"
-
-
-def _probe_coordinator(address: str, comm, timeout: float) -> None:
-    """Fail clearly, on every rank, when some rank cannot open a TCP connection to `address`.
-
-    jax.distributed's client aborts the whole process (a C++ fatal error, no Python exception)
-    when it cannot connect, so the address is tried first with a plain socket: rank 0 listens on
-    the port, every rank connects, and the results are shared over MPI.
-    """
-    host, _, port = address.rpartition(":")
-    listener = None
-    if comm.Get_rank() == 0:
-        try:
-            listener = socket.create_server(("", int(port)))
-        except (OSError, ValueError) as error:
-            problem = f"rank 0 cannot listen on port {port!r} ({error})"
-        else:
-            problem = None
-    else:
-        problem = None
-    problem = comm.bcast(problem, root=0)
-    if problem is None:
-        try:
-            with socket.create_connection((host, int(port)), timeout=timeout):
-                pass
-        except OSError as error:
-            problem = f"cannot connect to it ({type(error).__name__}: {error or 'timed out'})"
-    problems = comm.allgather(problem)
-    if listener is not None:
-        listener.close()
-    failed = [(rank, text) for rank, text in enumerate(problems) if text]
-    if failed:
-        rank, text = failed[0]
-        raise RuntimeError(
-            f"the JAX coordinator address {address} does not work: rank {rank} {text} "
-            f"({len(failed)} of {len(problems)} ranks failed, within {timeout:g} s). Every rank "
-            f"must reach rank 0's host on that port: check the firewall, or set "
-            f"MGPU_JAX_COORDINATOR=host:port to an address of rank 0's host.")
 
 
 class JaxEngine(Engine):
@@ -109,9 +60,8 @@ class JaxEngine(Engine):
                 "mgpu.init() at the top of the script, before building a model or creating "
                 "any array (importing keras and jax before it is fine).")
         self.size, self.comm = state.size, state.comm
-        address = state.comm.bcast(_coordinator_address() if state.rank == 0 else None, root=0)
         timeout = int(float(os.environ.get("MGPU_JAX_INIT_TIMEOUT", "60")))
-        _probe_coordinator(address, state.comm, timeout)
+        address = rendezvous_address(state, "MGPU_JAX_COORDINATOR", timeout)
         options = {}
         if devices.visible_gpus():
             local = int(os.environ.get("MGPU_LOCAL_DEVICE", state.local_rank))

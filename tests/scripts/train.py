@@ -66,5 +66,7 @@ np.savez(os.path.join(out_dir, f"rank.{rank}.npz"), *model.get_weights())
 with open(os.path.join(out_dir, f"rank.{rank}.json"), "w") as f:
     json.dump({"loss": history.history["loss"],
                "optimizer": type(model.optimizer).__name__,
+               # Keras >= 3.16 on torch may wrap the model in DDP (it must not here).
+               "ddp_wrapper": type(getattr(model, "ddp_model", None)).__name__,
                "iterations": int(keras.ops.convert_to_numpy(model.optimizer.iterations))}, f)
 print("trained", rank, history.history["loss"][-1])

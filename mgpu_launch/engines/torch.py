@@ -1,0 +1,227 @@
+"""PyTorch engine: bucketed gradient allreduce that overlaps the backward pass (DDP's design).
+
+Keras's torch trainer runs eagerly: ``loss.backward()``, then ``optimizer.apply(grads)``. At
+``build`` the DistributedOptimizer hands its variables to :meth:`TorchEngine.watch`, which
+groups their gradients into buckets of ``MGPU_FUSION_MB`` (default 25) MB, last layers first,
+and registers a post-accumulate-grad hook on every parameter. When the last gradient of a
+bucket arrives during backward, the bucket is packed into one flat buffer and its allreduce is
+launched asynchronously — buckets strictly in order, so every rank issues the same collectives
+in the same order. ``apply`` then only waits. A parameter without a gradient on some rank
+(unused in that rank's forward) takes part as zeros: its bucket is launched in ``apply``.
+
+Set-up (``mgpu.init()``): rank 0 picks a TCP address, MPI shares it (after every rank proved it
+can connect), and ``torch.distributed.init_process_group`` starts NCCL on GPU (the launcher has
+pinned one GPU per process with CUDA_VISIBLE_DEVICES) or gloo on CPU.
+
+Keras >= 3.16 wraps the model in ``DistributedDataParallel`` by itself when torch.distributed
+is initialized (``TorchTrainer._initialize_ddp``): gradients would then be reduced twice (once
+by DDP, once here) and BatchNorm buffers broadcast from rank 0 every step. The engine skips that
+wrapping for models compiled with a DistributedOptimizer; other models keep Keras's behaviour.
+"""
+
+import datetime
+import os
+import sys
+from typing import Any, List, Optional, Sequence
+
+from mgpu_launch.engines import Engine, rendezvous_address
+
+
+class TorchEngine(Engine):
+    name = "torch"
+
+    def __init__(self):
+        self.size = 1
+        self.initialized = False
+        #: bytes per gradient bucket (DDP's bucket_cap_mb)
+        self.fusion_bytes = int(float(os.environ.get("MGPU_FUSION_MB", "25")) * 2 ** 20)
+        self._watched: Optional["GradientBuckets"] = None
+
+    # -- set-up -------------------------------------------------------------------------------
+    def setup(self, state) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            raise RuntimeError(
+                "torch.distributed is already initialized in this process; mgpu.init() sets it "
+                "up itself (NCCL on GPU, gloo on CPU). Remove the init_process_group call.")
+        self.size = state.size
+        address = rendezvous_address(state, "MGPU_TORCH_ADDRESS")
+        timeout = datetime.timedelta(seconds=float(os.environ.get("MGPU_TORCH_TIMEOUT", "1800")))
+        options = {}
+        if torch.cuda.is_available():
+            # One visible GPU when the launcher pinned it (CUDA_VISIBLE_DEVICES), else all.
+            device = torch.device("cuda", state.local_rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+            options = {"backend": "nccl", "device_id": device}
+        else:
+            options = {"backend": "gloo"}
+        ours = sys.excepthook
+        dist.init_process_group(init_method=f"tcp://{address}", rank=state.rank,
+                                world_size=state.size, timeout=timeout, **options)
+        # torch wraps sys.excepthook to capture stderr while the old hook runs; ours aborts
+        # the MPI job inside that hook, so the captured traceback would never be printed.
+        sys.excepthook = ours
+        self.initialized = True
+        _patch_trainer()
+
+    def shutdown(self) -> None:
+        if self.initialized:
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self.initialized = False
+
+    # -- reductions -------------------------------------------------------------------------------
+    def allreduce(self, tensors: Sequence[Any], *, average: bool, prescale: float = 1.0,
+                  postscale: float = 1.0, compression=None) -> List[Any]:
+        """Synchronous fused allreduce (one buffer per dtype), for gradients not watched."""
+        plan = Reduction(self.size, average, prescale, postscale, compression)
+        groups = {}
+        for index, tensor in enumerate(tensors):
+            groups.setdefault(str(tensor.dtype), []).append(index)
+        result: List[Any] = [None] * len(tensors)
+        for dtype in sorted(groups):
+            indices = groups[dtype]
+            flat, work = plan.launch([tensors[i] for i in indices], [tensors[i] for i in indices])
+            for i, value in zip(indices, plan.finish(flat, work, [tensors[i] for i in indices])):
+                result[i] = value
+        return result
+
+    def watch(self, variables, *, average: bool, prescale: float, postscale: float,
+              compression) -> None:
+        """Reduce `variables`' gradients bucket by bucket while backward runs (see module doc).
+
+        ``MGPU_TORCH_OVERLAP=0`` turns this off (one fused allreduce in ``apply``), to measure
+        what the overlap saves.
+        """
+        if self._watched is not None:
+            self._watched.remove()
+            self._watched = None
+        if os.environ.get("MGPU_TORCH_OVERLAP", "1") == "0":
+            return
+        plan = Reduction(self.size, average, prescale, postscale, compression)
+        self._watched = GradientBuckets(list(variables), plan, self.fusion_bytes)
+
+    def reduce_gradients(self, grads, variables, **options) -> List[Any]:
+        watched = self._watched
+        if watched is not None and watched.covers(variables):
+            return watched.finish(grads)
+        return super().reduce_gradients(grads, variables, **options)
+
+
+class Reduction:
+    """How one flat buffer is reduced: scale, compress, sum across ranks, undo."""
+
+    def __init__(self, size, average, prescale, postscale, compression):
+        self.prescale, self.compression = prescale, compression
+        self.scale = postscale / size if average else postscale
+
+    def launch(self, tensors, like):
+        import torch
+        import torch.distributed as dist
+
+        flat = torch.cat([(t if t is not None else torch.zeros_like(r)).reshape(-1)
+                          for t, r in zip(tensors, like)])
+        if self.prescale != 1.0:
+            flat.mul_(self.prescale)
+        wire = self.compression.compress(flat) if self.compression else flat
+        return wire, dist.all_reduce(wire, async_op=True)
+
+    def finish(self, wire, work, like) -> List[Any]:
+        work.wait()
+        flat = self.compression.decompress(wire, like[0].dtype) if self.compression else wire
+        if self.scale != 1.0:
+            flat = flat * self.scale
+        pieces, offset = [], 0
+        for reference in like:
+            pieces.append(flat[offset:offset + reference.numel()].view_as(reference))
+            offset += reference.numel()
+        return pieces
+
+
+class GradientBuckets:
+    """Per-parameter hooks that launch each bucket's allreduce as soon as it is complete."""
+
+    def __init__(self, variables, plan: Reduction, fusion_bytes: int):
+        self.variables, self.plan = variables, plan
+        self.params = [v.value for v in variables]
+        self.ids = [id(v) for v in variables]
+        self.buckets: List[List[int]] = []
+        by_dtype = {}
+        for index in reversed(range(len(self.params))):  # backward produces the last first
+            by_dtype.setdefault(str(self.params[index].dtype), []).append(index)
+        for dtype in sorted(by_dtype):
+            bucket, filled = [], 0
+            for index in by_dtype[dtype]:
+                bucket.append(index)
+                filled += self.params[index].numel() * self.params[index].element_size()
+                if filled >= fusion_bytes:
+                    self.buckets.append(bucket)
+                    bucket, filled = [], 0
+            if bucket:
+                self.buckets.append(bucket)
+        self.bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
+        self.handles = [p.register_post_accumulate_grad_hook(self._hook(i))
+                        for i, p in enumerate(self.params)]
+        self._reset()
+
+    def _reset(self):
+        self.arrived = [0] * len(self.buckets)
+        self.launched: List[Any] = [None] * len(self.buckets)
+        self.next_bucket = 0
+
+    def _hook(self, index):
+        def on_gradient(param):
+            bucket = self.bucket_of[index]
+            self.arrived[bucket] += 1
+            while (self.next_bucket < len(self.buckets) and self.arrived[self.next_bucket]
+                   == len(self.buckets[self.next_bucket])):
+                self._launch(self.next_bucket)
+        return on_gradient
+
+    def _launch(self, bucket):
+        indices = self.buckets[bucket]
+        self.launched[bucket] = self.plan.launch([self.params[i].grad for i in indices],
+                                                 [self.params[i] for i in indices])
+        self.next_bucket += 1
+
+    def covers(self, variables) -> bool:
+        return [id(v) for v in variables] == self.ids
+
+    def finish(self, grads) -> List[Any]:
+        """Launch what backward left (missing gradients as zeros), wait, return the results."""
+        while self.next_bucket < len(self.buckets):
+            self._launch(self.next_bucket)
+        result: List[Any] = [None] * len(self.params)
+        for bucket, indices in enumerate(self.buckets):
+            wire, work = self.launched[bucket]
+            for i, value in zip(indices, self.plan.finish(wire, work,
+                                                          [self.params[i] for i in indices])):
+                result[i] = value
+        self._reset()
+        return result
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+def _patch_trainer() -> None:
+    """Keep Keras >= 3.16 from wrapping DistributedOptimizer models in DDP (double reduce)."""
+    from keras.src.backend.torch.trainer import TorchTrainer
+
+    from mgpu_launch.optimizer import DistributedOptimizer
+
+    original = getattr(TorchTrainer, "_initialize_ddp", None)
+    if original is None or getattr(original, "_mgpu", False):
+        return
+
+    def _initialize_ddp(self):
+        if isinstance(getattr(self, "optimizer", None), DistributedOptimizer):
+            return  # mgpu_launch reduces the gradients; DDP would do it a second time
+        original(self)
+
+    _initialize_ddp._mgpu = True
+    TorchTrainer._initialize_ddp = _initialize_ddp
