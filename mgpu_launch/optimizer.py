@@ -84,6 +84,14 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self.average_aggregated_gradients = bool(average_aggregated_gradients)
         self.gradient_predivide_factor = float(gradient_predivide_factor)
         self.sparse_as_dense = bool(sparse_as_dense)
+        #: with a LearningRateSchedule: a variable its output is multiplied by (LR callbacks)
+        self.lr_multiplier = None
+        schedule = optimizer._learning_rate
+        if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
+            with keras.name_scope(self.name, caller=self):
+                self.lr_multiplier = self.add_variable(shape=(), initializer="ones",
+                                                       name="lr_multiplier")
+            optimizer._learning_rate = _MultipliedSchedule(schedule, self.lr_multiplier)
         self._init_done = True
 
     def __setattr__(self, name, value):
@@ -195,9 +203,16 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer.finalize_variable_values(var_list)
 
     def get_config(self):
+        schedule = self.inner_optimizer._learning_rate
+        if isinstance(schedule, _MultipliedSchedule):  # save the user's schedule, not ours
+            self.inner_optimizer._learning_rate = schedule.schedule
+        try:
+            inner = keras.saving.serialize_keras_object(self.inner_optimizer)
+        finally:
+            self.inner_optimizer._learning_rate = schedule
         return {
             "name": self.name,
-            "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+            "optimizer": inner,
             "compression": self.compression.name,
             "op": self.op.value,
             "backward_passes_per_step": self.backward_passes_per_step,
@@ -212,6 +227,20 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         inner = keras.saving.deserialize_keras_object(config.pop("optimizer"),
                                                       custom_objects=custom_objects)
         return cls(inner, **config)
+
+
+class _MultipliedSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """``schedule(step) * multiplier``: how LR callbacks scale a schedule they cannot set."""
+
+    def __init__(self, schedule, multiplier):
+        self.schedule, self.multiplier = schedule, multiplier
+
+    def __call__(self, step):
+        value = self.schedule(step)
+        return value * ops.cast(self.multiplier, keras.backend.standardize_dtype(value.dtype))
+
+    def get_config(self):
+        return self.schedule.get_config()
 
 
 def check_same_variables(variables, what: str) -> None:

@@ -7,7 +7,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
-backends=${MGPU_TEST_BACKENDS:-tensorflow jax}
+backends=${MGPU_TEST_BACKENDS:-tensorflow jax torch}
 
 extras=test
 for backend in $backends; do

@@ -47,9 +47,12 @@ class TorchEngine(Engine):
                 "torch.distributed is already initialized in this process; mgpu.init() sets it "
                 "up itself (NCCL on GPU, gloo on CPU). Remove the init_process_group call.")
         self.size = state.size
+        if "OMP_NUM_THREADS" not in os.environ:
+            # Keras's torch step is host-bound; N processes with a pool of all cores each
+            # oversubscribe the CPU (2x H200 box: 89.4% -> 94.6% scaling with 4 threads each).
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // state.local_size))
         address = rendezvous_address(state, "MGPU_TORCH_ADDRESS")
         timeout = datetime.timedelta(seconds=float(os.environ.get("MGPU_TORCH_TIMEOUT", "1800")))
-        options = {}
         if torch.cuda.is_available():
             # One visible GPU when the launcher pinned it (CUDA_VISIBLE_DEVICES), else all.
             device = torch.device("cuda", state.local_rank % torch.cuda.device_count())
@@ -67,6 +70,9 @@ class TorchEngine(Engine):
         _patch_trainer()
 
     def shutdown(self) -> None:
+        if self._watched is not None:
+            self._watched.remove()
+            self._watched = None
         if self.initialized:
             import torch.distributed as dist
             if dist.is_initialized():

@@ -1,8 +1,4 @@
-"""Keras callbacks for multi-process training, one concern each.
-
-    callbacks = [mgpu.callbacks.BroadcastGlobalVariablesCallback(0),
-                 mgpu.callbacks.MetricAverageCallback()]
-"""
+"""Callbacks that keep the ranks in step: same start, same (averaged) epoch metrics."""
 
 import keras
 import numpy as np

@@ -1,0 +1,84 @@
+"""LR warm-up / schedule callbacks: the learning rate the compiled step USES, batch by batch.
+
+tests/scripts/lr_probe.py trains w * x with gradient exactly 1, so the weight after each batch
+reveals the rate (and, with momentum, the velocity) the step applied. Every case runs on 2
+processes (size enters the warm-up formula), on the backend in KERAS_BACKEND.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conftest import SCRIPTS, explain, launch, requires_mpirun
+
+BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
+pytestmark = [requires_mpirun, pytest.mark.backend]
+pytest.importorskip(BACKEND)
+
+PROBE = os.path.join(SCRIPTS, "lr_probe.py")
+STEPS, SIZE, LR = 4, 2, 0.1  # 8 samples per rank, batch 2; 2 processes
+
+
+def probe(tmp_path, config):
+    result = launch("-np", str(SIZE), PROBE, json.dumps(config), str(tmp_path), timeout=180,
+                    KERAS_BACKEND=BACKEND, TF_CPP_MIN_LOG_LEVEL="2")
+    assert result.returncode == 0, explain(result)
+    ranks = [json.loads((tmp_path / f"rank.{r}.json").read_text()) for r in range(SIZE)]
+    assert ranks[0] == ranks[1]  # every rank used the same rates
+    return ranks[0]
+
+
+def warmup_factor(epoch, batch, warmup_epochs):
+    """Horovod's formula, written out independently of the callback."""
+    if epoch >= warmup_epochs:
+        return SIZE  # the ramp ends at initial_lr = SIZE x (initial_lr / SIZE)
+    t = epoch + (batch + 1) / STEPS
+    return t * (SIZE - 1) / warmup_epochs + 1
+
+
+def expected_weights(rates, momentum=0.0):
+    """w after each step for gradient 1, with Horovod's momentum correction on rate changes."""
+    w, v, previous, out = 0.0, 0.0, None, []
+    for rate in rates:
+        if momentum and previous:
+            v *= rate / previous  # momentum x new/old for this batch == velocity x new/old
+        v = momentum * v - rate
+        w += v
+        previous = rate
+        out.append(w)
+    return out
+
+
+def warmup_rates(epochs, warmup_epochs):
+    return [LR / SIZE * warmup_factor(e, b, warmup_epochs)
+            for e in range(epochs) for b in range(STEPS)]
+
+
+def test_warmup_rate_used_at_every_batch_follows_the_formula(tmp_path):
+    result = probe(tmp_path, {"warmup_epochs": 2, "epochs": 3})
+    used = -np.diff([0.0] + result["weights"])
+    np.testing.assert_allclose(used, warmup_rates(3, 2), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(result["lrs"], [LR * 0.75, LR, LR], rtol=1e-6)  # logs["lr"]
+
+
+def test_momentum_correction_reaches_the_compiled_step(tmp_path):
+    result = probe(tmp_path, {"warmup_epochs": 2, "epochs": 3, "optimizer": "momentum"})
+    np.testing.assert_allclose(result["weights"],
+                               expected_weights(warmup_rates(3, 2), momentum=0.9),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_warmup_multiplies_a_learning_rate_schedule(tmp_path):
+    result = probe(tmp_path, {"warmup_epochs": 2, "epochs": 3, "optimizer": "schedule"})
+    used = -np.diff([0.0] + result["weights"])
+    decay = [0.9 ** step for step in range(3 * STEPS)]
+    np.testing.assert_allclose(used, np.array(warmup_rates(3, 2)) * decay, rtol=1e-5)
+
+
+def test_schedule_with_a_constant_multiplier(tmp_path):
+    # lr x 0.5^(epoch - 1) for epochs 1 and 2; epoch 0 keeps the optimizer's own 0.1.
+    result = probe(tmp_path, {"schedule": [LR, 0.5, 1, 3], "epochs": 3})
+    used = -np.diff([0.0] + result["weights"])
+    np.testing.assert_allclose(used, [LR] * STEPS + [LR] * STEPS + [LR / 2] * STEPS, rtol=1e-6)
