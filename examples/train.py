@@ -19,6 +19,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--epochs", type=int, default=5)
 parser.add_argument("--batch-size", type=int, default=32, help="per process")
 parser.add_argument("--lr", type=float, default=0.05, help="for one process; scaled by size()")
+parser.add_argument("--checkpoint", default="checkpoints/train.keras",
+                    help="written by rank 0 after every epoch")
 args = parser.parse_args()
 
 # The same synthetic data set on every rank (fixed seed): 4096 samples, 20 features, 4 classes.
@@ -46,7 +48,13 @@ model.compile(optimizer=optimizer,
 model.fit(x_train[mine], y_train[mine], batch_size=args.batch_size, epochs=args.epochs,
           validation_data=(x_val, y_val),
           callbacks=[mgpu.callbacks.BroadcastGlobalVariablesCallback(0),   # (3) same start,
-                     mgpu.callbacks.MetricAverageCallback()],             #     same logs
+                     mgpu.callbacks.MetricAverageCallback(),              #     same logs,
+                     # the recipe: ramp the scaled rate up over the first epochs (Goyal et al.),
+                     # checkpoints from rank 0 only, samples/s over all ranks
+                     mgpu.callbacks.LearningRateWarmupCallback(mgpu.scale_lr(args.lr),
+                                                               warmup_epochs=2),
+                     mgpu.callbacks.ModelCheckpoint(args.checkpoint),
+                     mgpu.callbacks.ThroughputCallback(args.batch_size, verbose=0)],
           verbose=2 if mgpu.is_chief() else 0)
 if mgpu.is_chief():
     loss, accuracy = model.evaluate(x_val, y_val, verbose=0)

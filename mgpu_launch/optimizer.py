@@ -86,6 +86,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self.sparse_as_dense = bool(sparse_as_dense)
         #: with a LearningRateSchedule: a variable its output is multiplied by (LR callbacks)
         self.lr_multiplier = None
+        self._sync_in_step = False
         schedule = optimizer._learning_rate
         if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
             with keras.name_scope(self.name, caller=self):
@@ -115,6 +116,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 shape=(), dtype="int", initializer="zeros", name="pass_counter")
             self._accumulators = [self.add_variable_from_reference(v, name="accumulated_grad")
                                   for v in var_list]
+        self._in_step_synced = self.add_variable(shape=(), dtype="int", initializer="zeros",
+                                                 name="in_step_synced")
         super().build(var_list)
         if self.backward_passes_per_step == 1 and runtime.is_multi_process():
             engines.get_engine().watch(var_list, **self._reduction())
@@ -136,8 +139,26 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         check_same_variables(self._trainable_variables, "the model's trainable variables")
         # Only the model's weights: fresh optimizer slots are equal (zeros) on every rank, and
         # slots created inside the step's trace cannot be read back yet.
-        engines.get_engine().broadcast_variables(list(self._trainable_variables), 0)
+        engine = engines.get_engine()
+        if engine.readable_on_host(self._trainable_variables):
+            engine.broadcast_variables(list(self._trainable_variables), 0)
+        else:  # created inside the step's trace (TF, lazily built models): sync in the step
+            self._sync_in_step = True
         self._synced = True
+
+    def _broadcast_in_step(self, variables):
+        """At the first executed step: rank 0's values, as a sum of (rank 0's, zeros, ...)."""
+        engine = engines.get_engine()
+        is_root = runtime.rank() == 0
+
+        def copy_from_root():
+            sent = [v.value if is_root else ops.zeros_like(v.value) for v in variables]
+            for variable, value in zip(variables, engine.allreduce(sent, average=False)):
+                variable.assign(value)
+            self._in_step_synced.assign(1)
+
+        engine.cond_update(ops.equal(self._in_step_synced, 0), copy_from_root,
+                           list(variables) + [self._in_step_synced])
 
     @property
     def variables(self):
@@ -161,6 +182,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             self.built = True
         self._sync_from_root()
         variables = trainable_variables or self._trainable_variables
+        if self._sync_in_step:
+            self._broadcast_in_step(variables)
         grads = list(grads)
         if self.backward_passes_per_step == 1:
             self.inner_optimizer.apply(self._reduce(grads, variables), trainable_variables)

@@ -15,10 +15,13 @@ pytest.importorskip(BACKEND)
 ENV = {"KERAS_BACKEND": BACKEND, "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
-def test_quick_start_example_trains_on_two_processes():
-    result = launch("-np", "2", "examples/train.py", "--epochs", "1", timeout=300, **ENV)
+def test_quick_start_example_trains_on_two_processes(tmp_path):
+    checkpoint = tmp_path / "train.keras"
+    result = launch("-np", "2", "examples/train.py", "--epochs", "1", "--checkpoint",
+                    str(checkpoint), timeout=300, **ENV)
     assert result.returncode == 0, explain(result)
     assert "validation accuracy after 1 epochs on 2 processes" in result.stdout, explain(result)
+    assert "samples_per_sec" in result.stdout and checkpoint.exists()
 
 
 def test_benchmark_script_writes_its_table_and_json(tmp_path):

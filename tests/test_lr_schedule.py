@@ -82,3 +82,11 @@ def test_schedule_with_a_constant_multiplier(tmp_path):
     result = probe(tmp_path, {"schedule": [LR, 0.5, 1, 3], "epochs": 3})
     used = -np.diff([0.0] + result["weights"])
     np.testing.assert_allclose(used, [LR] * STEPS + [LR] * STEPS + [LR / 2] * STEPS, rtol=1e-6)
+
+
+def test_unknown_steps_per_epoch_is_a_clear_error():
+    import mgpu_launch as mgpu
+    callback = mgpu.callbacks.LearningRateWarmupCallback(0.1)
+    callback.set_params({"steps": None})  # fit on a dataset of unknown length
+    with pytest.raises(ValueError, match="Pass steps_per_epoch"):
+        callback.on_train_begin()

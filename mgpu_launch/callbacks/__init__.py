@@ -6,12 +6,18 @@
 
 sync        BroadcastGlobalVariablesCallback, MetricAverageCallback
 schedule    LearningRateWarmupCallback, LearningRateScheduleCallback
+io          ModelCheckpoint (rank 0, atomic), rank0(callback)
+throughput  ThroughputCallback
+backup      BackupAndRestore (rank 0 writes, every rank resumes)
 """
 
+from mgpu_launch.callbacks.backup import BackupAndRestore
+from mgpu_launch.callbacks.io import ModelCheckpoint, rank0
 from mgpu_launch.callbacks.schedule import (LearningRateScheduleCallback,
                                             LearningRateWarmupCallback)
+from mgpu_launch.callbacks.throughput import ThroughputCallback
 from mgpu_launch.callbacks.sync import (BroadcastGlobalVariablesCallback, MetricAverageCallback,
                                         model_state_variables)
 
-__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback",
-           "LearningRateWarmupCallback", "LearningRateScheduleCallback", "model_state_variables"]
+__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "ModelCheckpoint", "rank0",
+           "LearningRateWarmupCallback", "LearningRateScheduleCallback", "ThroughputCallback", "BackupAndRestore", "model_state_variables"]

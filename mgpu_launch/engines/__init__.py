@@ -78,6 +78,10 @@ class Engine:
         from keras import ops
         ops.cond(predicate, update, lambda: None)
 
+    def readable_on_host(self, variables) -> bool:
+        """Whether the variables' values can be read now (False: only inside the step)."""
+        return True
+
     def broadcast_variables(self, variables: Sequence[Any], root_rank: int) -> None:
         """Assign rank `root_rank`'s values to `variables` (Keras variables) on every rank."""
         import numpy as np

@@ -163,6 +163,15 @@ class TensorFlowEngine(Engine):
             return tf.convert_to_tensor(gradient)
         return gradient
 
+    def readable_on_host(self, variables) -> bool:
+        """False for variables created inside the step's trace (a lazily built model)."""
+        import tensorflow as tf
+        with tf.init_scope():
+            try:
+                return all(np.shape(v.numpy()) == tuple(v.shape) for v in variables)
+            except (ValueError, TypeError, tf.errors.OpError):
+                return False
+
     def broadcast_variables(self, variables, root_rank: int) -> None:
         import tensorflow as tf
         with tf.init_scope():  # host values even when called while a step is being traced

@@ -1,0 +1,43 @@
+"""Test worker for BackupAndRestore: deterministic training that may be killed mid-epoch.
+
+    mgpu-train -np 2 resume.py BACKUP_DIR OUT_DIR [KILL_EPOCH]
+
+With KILL_EPOCH, rank 1 SIGKILLs itself at batch 2 of that epoch (0-based). Writes rank.N.npz
+with the final weights when training finishes.
+"""
+
+import os
+import signal
+import sys
+
+import numpy as np
+
+import mgpu_launch as mgpu
+
+mgpu.init()
+import keras  # noqa: E402
+
+backup_dir, out = sys.argv[1], sys.argv[2]
+kill_epoch = int(sys.argv[3]) if len(sys.argv) > 3 else None
+rng = np.random.default_rng(mgpu.rank())
+x = rng.normal(size=(32, 5)).astype("float32")
+y = rng.integers(0, 3, size=32)
+keras.utils.set_random_seed(1)
+model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"),
+                          keras.layers.Dense(3)])
+model.compile(optimizer=mgpu.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)),
+              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+class Killer(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.epoch == kill_epoch and batch == 2 and mgpu.rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+model.fit(x, y, batch_size=4, epochs=4, shuffle=False, verbose=0,
+          callbacks=[mgpu.callbacks.BackupAndRestore(backup_dir), Killer()])
+np.savez(os.path.join(out, f"rank.{mgpu.rank()}.npz"), *model.get_weights())
