@@ -47,6 +47,11 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     they hold the same variables (count, shapes, dtypes); a mismatch raises
     ``mgpu.MismatchError`` on every rank. ``callbacks.BroadcastGlobalVariablesCallback`` also
     copies non-trainable weights and optimizer state (needed after loading them on one rank).
+    When the variables only come into existence inside TensorFlow's traced step (a lazily built
+    subclassed model), the copy happens inside the first step instead.
+
+    With a ``LearningRateSchedule`` as the wrapped optimizer's rate, ``lr_multiplier`` is a
+    variable its output is multiplied by; the LR warm-up / schedule callbacks set it.
 
     Example:
         >>> opt = mgpu.DistributedOptimizer(keras.optimizers.SGD(mgpu.scale_lr(0.01), momentum=0.9))
