@@ -20,7 +20,7 @@ from mgpu_launch.runtime import (NotInitializedError, cross_rank, cross_size, in
 _LAZY = {
     "DistributedOptimizer": "mgpu_launch.optimizer", "scale_lr": "mgpu_launch.optimizer",
     "load_model": "mgpu_launch.optimizer", "Compression": "mgpu_launch.compression",
-    "callbacks": "mgpu_launch.callbacks",
+    "callbacks": "mgpu_launch.callbacks", "data": "mgpu_launch.data",
 }
 
 
@@ -28,7 +28,7 @@ def __getattr__(name):
     if name in _LAZY:
         import importlib
         module = importlib.import_module(_LAZY[name])
-        return module if name == "callbacks" else getattr(module, name)
+        return module if name in ("callbacks", "data") else getattr(module, name)
     raise AttributeError(f"module 'mgpu_launch' has no attribute {name!r}")
 
 
@@ -37,5 +37,5 @@ __all__ = [
     "local_size", "cross_rank", "cross_size", "is_chief", "allreduce", "allgather",
     "allgather_object", "broadcast", "broadcast_object", "barrier", "ReduceOp", "Average",
     "Sum", "Min", "Max", "MismatchError", "NotInitializedError", "DistributedOptimizer",
-    "scale_lr", "load_model", "Compression", "callbacks",
+    "scale_lr", "load_model", "Compression", "callbacks", "data",
 ]

@@ -1,0 +1,171 @@
+"""This rank's part of a data set, with the same number of batches on every rank.
+
+    train = mgpu.data.shard((x, y), batch_size=64, shuffle=True, seed=1)
+    model.fit(train, epochs=10)
+
+Why equal counts matter: every step is a collective, so a rank with one batch more waits
+forever for the others (and BatchNorm on an empty remainder writes NaN into its statistics).
+:func:`shard` therefore drops the remainder that cannot be split evenly — fewer than
+``size x batch_size`` samples per epoch (fewer than ``size`` batches for a PyDataset) — and
+checks over MPI that every rank ends up with the same number of batches.
+
+Validation data sharded the same way gives, after ``MetricAverageCallback``, the metric over
+the evaluated samples (all but the dropped remainder); for the exact whole-set figure evaluate
+on rank 0 alone.
+"""
+
+from typing import Any, Optional
+
+import keras
+import numpy as np
+
+from mgpu_launch import collectives, runtime
+
+
+def _placement():
+    if runtime.is_initialized():
+        return runtime.rank(), runtime.size()
+    return 0, 1
+
+
+def _agree(batches: int, what: str) -> int:
+    if runtime.is_multi_process():
+        everyone = collectives.allgather_object(int(batches))
+        if len(set(everyone)) != 1:
+            raise collectives.MismatchError(
+                f"mgpu.data.shard: ranks would run different numbers of batches per epoch for "
+                f"{what}: {everyone}. Give every rank the same data (same length) to shard.")
+    return batches
+
+
+class ShardedArrays(keras.utils.PyDataset):
+    """Batches of this rank's part of in-memory arrays; reshuffled every epoch, in step."""
+
+    def __init__(self, data, batch_size: int, shuffle: bool, seed: int):
+        super().__init__()
+        self.data, self.batch_size, self.shuffle, self.seed = data, batch_size, shuffle, seed
+        leaves = [np.asarray(a) for a in keras.tree.flatten(data)]
+        lengths = {len(a) for a in leaves}
+        if len(lengths) != 1:
+            raise ValueError(f"mgpu.data.shard: the arrays have different lengths "
+                             f"{sorted(lengths)}; expected one sample axis shared by all")
+        self.samples = lengths.pop()
+        self.rank, self.size = _placement()
+        self.batches = _agree(self.samples // (self.size * batch_size), "these arrays")
+        if self.batches == 0:
+            raise ValueError(
+                f"mgpu.data.shard: {self.samples} samples cannot give each of {self.size} "
+                f"ranks one batch of {batch_size}; use a smaller batch_size")
+        self.epoch = 0
+        self._indices = self._epoch_indices()
+
+    def _epoch_indices(self) -> np.ndarray:
+        order = (np.random.default_rng([self.seed, self.epoch]).permutation(self.samples)
+                 if self.shuffle else np.arange(self.samples))
+        per_rank = self.batches * self.batch_size
+        return order[self.rank * per_rank:(self.rank + 1) * per_rank]
+
+    def __len__(self):
+        return self.batches
+
+    def __getitem__(self, index):
+        take = self._indices[index * self.batch_size:(index + 1) * self.batch_size]
+        return keras.tree.map_structure(lambda a: np.asarray(a)[take], self.data)
+
+    def on_epoch_end(self):
+        self.epoch += 1
+        self._indices = self._epoch_indices()
+
+
+class ShardedPyDataset(keras.utils.PyDataset):
+    """Every ``size``-th batch of a PyDataset, starting at this rank's index.
+
+    Batches are split whole, so a last partial batch reaches one rank only: the ranks then run
+    the same number of steps with batches of different sizes, which the TensorFlow and torch
+    engines accept, but JAX's step needs equal shapes on every rank (a clear MismatchError):
+    on JAX give a PyDataset whose batches are all full.
+    """
+
+    def __init__(self, dataset: keras.utils.PyDataset):
+        super().__init__()
+        self.dataset = dataset
+        self.rank, self.size = _placement()
+        length = len(dataset)
+        self.batches = _agree(length // self.size, f"a PyDataset of {length} batches")
+        if self.batches == 0:
+            raise ValueError(f"mgpu.data.shard: a PyDataset of {length} batches cannot give "
+                             f"each of {self.size} ranks a batch")
+
+    def __len__(self):
+        return self.batches
+
+    def __getitem__(self, index):
+        return self.dataset[index * self.size + self.rank]
+
+    def on_epoch_end(self):
+        self.dataset.on_epoch_end()
+
+
+def _shard_tf_dataset(dataset, batch_size, shuffle, seed, drop_remainder):
+    import tensorflow as tf
+
+    rank, size = _placement()
+    samples = int(dataset.cardinality())
+    if samples < 0:
+        raise ValueError(
+            "mgpu.data.shard: the tf.data.Dataset's length is unknown (or infinite), so the "
+            "ranks cannot be given equal parts. Shard an unbatched dataset of known length, "
+            "or use dataset.repeat() with fit(steps_per_epoch=...) equal on every rank.")
+    per_rank = samples // size
+    if shuffle:
+        dataset = dataset.shuffle(samples, seed=seed, reshuffle_each_iteration=True)
+    dataset = dataset.shard(size, rank).take(per_rank)
+    if batch_size:
+        dataset = dataset.batch(batch_size, drop_remainder=drop_remainder)
+        batches = per_rank // batch_size if drop_remainder else -(-per_rank // batch_size)
+    else:
+        batches = per_rank
+    _agree(batches, "this tf.data.Dataset")
+    return dataset.prefetch(tf.data.AUTOTUNE)
+
+
+def shard(data: Any, batch_size: Optional[int] = None, shuffle: bool = False, seed: int = 0,
+          drop_remainder: bool = True):
+    """This rank's part of `data`, with the same number of batches on every rank.
+
+    Args:
+        data: numpy arrays (or a tuple / dict of them, sharing the first axis), an unbatched
+            ``tf.data.Dataset`` of known length, or a ``keras.utils.PyDataset``.
+        batch_size: samples per batch on this rank. Required for arrays; for a tf.data
+            dataset, batches it (None: you batch it yourself, after sharding); ignored for a
+            PyDataset (its batches are split between the ranks whole).
+        shuffle: a new order every epoch, the same on every rank (seeded), before splitting,
+            so the ranks' parts stay disjoint.
+        seed: the shared seed; give every rank the same one.
+        drop_remainder: tf.data only — a last partial batch (equal on every rank either way).
+
+    Returns:
+        A ``keras.utils.PyDataset`` for arrays and PyDatasets, a ``tf.data.Dataset`` for
+        tf.data input; pass it to ``model.fit`` without ``batch_size``.
+
+    Raises:
+        ValueError: unusable input (unknown length, arrays of different lengths, too small).
+        mgpu.MismatchError: the ranks would get different numbers of batches.
+
+    Example:
+        >>> train = mgpu.data.shard((x_train, y_train), batch_size=64, shuffle=True)
+        >>> model.fit(train, epochs=5, validation_data=mgpu.data.shard((x_val, y_val), 64))
+    """
+    if isinstance(data, keras.utils.PyDataset):
+        return ShardedPyDataset(data)
+    if type(data).__module__.startswith("tensorflow") and hasattr(data, "shard"):
+        return _shard_tf_dataset(data, batch_size, shuffle, seed, drop_remainder)
+    if batch_size is None or int(batch_size) < 1:
+        raise ValueError(f"mgpu.data.shard: batch_size={batch_size!r}; arrays need the number "
+                         f"of samples per batch on each rank (>= 1)")
+    if not keras.tree.flatten(data) or not all(hasattr(a, "__len__")
+                                               for a in keras.tree.flatten(data)):
+        raise ValueError(f"mgpu.data.shard: expected numpy arrays (or a tuple/dict of them), a "
+                         f"tf.data.Dataset or a keras.utils.PyDataset; got "
+                         f"{type(data).__name__}")
+    return ShardedArrays(data, int(batch_size), shuffle, seed)
