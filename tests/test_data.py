@@ -1,5 +1,6 @@
 """mgpu.data.shard on 2 real processes: equal steps, disjoint parts, shared reshuffling."""
 
+import importlib.util
 import json
 import os
 
@@ -7,8 +8,11 @@ import pytest
 
 from conftest import SCRIPTS, explain, launch, requires_mpirun
 
-pytestmark = [requires_mpirun]
-pytest.importorskip("tensorflow")  # the worker also shards a tf.data.Dataset
+# The worker also shards a tf.data.Dataset, so it runs on the TensorFlow backend. Do not import
+# tensorflow here: next to a CUDA build of torch (with triton) in one process it aborts.
+pytestmark = [requires_mpirun,
+              pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
+                                 reason="needs tensorflow (tf.data)")]
 
 SAMPLES, BATCH, SIZE = 1001, 32, 2
 
@@ -17,7 +21,7 @@ SAMPLES, BATCH, SIZE = 1001, 32, 2
 def seen(tmp_path_factory):
     out = tmp_path_factory.mktemp("shard")
     result = launch("-np", str(SIZE), os.path.join(SCRIPTS, "shard_ids.py"), str(out),
-                    timeout=180, TF_CPP_MIN_LOG_LEVEL="2")
+                    timeout=180, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
     assert result.returncode == 0, explain(result)
     return [json.loads((out / f"rank.{r}.json").read_text()) for r in range(SIZE)]
 
