@@ -8,7 +8,7 @@ import shutil
 import keras
 
 from mgpu_launch import collectives, engines, runtime
-from mgpu_launch.callbacks.io import _is_chief, _partial_path
+from mgpu_launch.callbacks.io import _is_chief, save_atomically
 from mgpu_launch.callbacks.sync import model_state_variables
 
 _BACKUP = re.compile(r"epoch-(\d+)\.weights\.h5$")
@@ -67,16 +67,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if not _is_chief():
             return
-        os.makedirs(self.backup_dir, exist_ok=True)
         previous = self._latest()[1]
         target = os.path.join(self.backup_dir, f"epoch-{epoch + 1}.weights.h5")
-        partial = _partial_path(target)
-        try:
-            self.model.save_weights(partial, overwrite=True)
-            os.replace(partial, target)
-        finally:
-            if os.path.exists(partial):
-                os.remove(partial)
+        save_atomically(self.model, target, weights_only=True)
         if previous and previous != target:
             os.remove(previous)
 

@@ -71,6 +71,24 @@ def _partial_path(filepath: str) -> str:
     return os.path.join(folder, f".{stem}.partial-{os.getpid()}{suffix}")
 
 
+def save_atomically(model, filepath: str, weights_only: bool) -> None:
+    """``model.save`` / ``save_weights`` into a hidden sibling, then rename it over `filepath`:
+    a process killed mid-write leaves whatever `filepath` held before. Creates the folder."""
+    folder = os.path.dirname(filepath)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+    partial = _partial_path(filepath)
+    try:
+        if weights_only:
+            model.save_weights(partial, overwrite=True)
+        else:
+            model.save(partial, overwrite=True)
+        os.replace(partial, filepath)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+
+
 class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     """Keras's ``ModelCheckpoint`` (same arguments), written by rank 0 only and atomically.
 
@@ -107,18 +125,6 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         filepath = self._get_file_path(epoch, batch, logs)
         if not self._should_save_model(epoch, batch, logs, filepath):
             return
-        folder = os.path.dirname(filepath)
-        if folder:
-            os.makedirs(folder, exist_ok=True)
-        partial = _partial_path(filepath)
-        try:
-            if self.save_weights_only:
-                self.model.save_weights(partial, overwrite=True)
-            else:
-                self.model.save(partial, overwrite=True)
-            os.replace(partial, filepath)
-        finally:
-            if os.path.exists(partial):
-                os.remove(partial)
+        save_atomically(self.model, filepath, weights_only=self.save_weights_only)
         if self.verbose > 0:
             print(f"\nEpoch {epoch + 1}: saved the model to {filepath} (rank 0)")

@@ -96,6 +96,18 @@ class Engine:
 _engine: Optional[Engine] = None
 
 
+def free_port() -> int:
+    """A TCP port that is free on this host right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def host_address() -> str:
+    """This host's address as the other hosts would dial it (its name resolved)."""
+    return socket.gethostbyname(socket.gethostname())
+
+
 def rendezvous_address(state, override_variable: str, timeout: float = 60.0) -> str:
     """A ``host:port`` on rank 0's host that every rank has proved it can connect to.
 
@@ -112,10 +124,7 @@ def rendezvous_address(state, override_variable: str, timeout: float = 60.0) -> 
     if state.rank == 0:
         address = os.environ.get(override_variable)
         if not address:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-                sock.bind(("", 0))
-                port = sock.getsockname()[1]
-            address = f"{socket.gethostbyname(socket.gethostname())}:{port}"
+            address = f"{host_address()}:{free_port()}"
     address = comm.bcast(address, root=0)
     host, _, port = address.rpartition(":")
     listener, problem = None, None

@@ -23,26 +23,19 @@ TensorFlow cannot be installed on our GPU machine, so that path is untested.
 """
 
 import os
-import socket
 from typing import Any, List, Sequence
 
 import numpy as np
 
-from mgpu_launch.engines import Engine
+from mgpu_launch.engines import Engine, free_port, host_address
 
 TRANSPORTS = ("collective", "mpi")
 _JOB = "worker"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
 def _reachable_host() -> str:
     """An address the other ranks can reach this one at (MGPU_TF_HOST overrides)."""
-    return os.environ.get("MGPU_TF_HOST") or socket.gethostbyname(socket.gethostname())
+    return os.environ.get("MGPU_TF_HOST") or host_address()
 
 
 class TensorFlowEngine(Engine):
@@ -73,7 +66,7 @@ class TensorFlowEngine(Engine):
                 "mgpu.init() must run before TensorFlow creates any tensor or variable (its "
                 "in-graph collectives can only be enabled at program start). Move mgpu.init() "
                 "to the top of the script, right after the imports.")
-        port = _free_port()
+        port = free_port()
         addresses = state.comm.allgather(f"{_reachable_host()}:{port}")
         ctx.configure_collective_ops(
             collective_leader=f"/job:{_JOB}/replica:0/task:0",
