@@ -98,6 +98,11 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 self.lr_multiplier = self.add_variable(shape=(), initializer="ones",
                                                        name="lr_multiplier")
             optimizer._learning_rate = _MultipliedSchedule(schedule, self.lr_multiplier)
+        # fit's batches: copied to the device ahead of the step (mgpu_launch.data, MGPU_PREFETCH)
+        engines.get_engine_or_default().install_prefetch()
+        if runtime.is_multi_process():
+            from mgpu_launch import fit_guard
+            fit_guard.install()  # ranks must agree on steps per epoch before the first step
         self._init_done = True
 
     def __setattr__(self, name, value):

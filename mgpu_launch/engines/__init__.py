@@ -34,6 +34,12 @@ class Engine:
     def shutdown(self) -> None:
         """Called by ``mgpu.shutdown()``."""
 
+    def install_prefetch(self) -> None:
+        """Make Keras's ``fit``/``evaluate``/``predict`` copy batches to the device ahead of
+        the step from a background thread (``mgpu_launch.data.Prefetcher``). Called by every
+        ``DistributedOptimizer`` (also on one process); must be idempotent. The default
+        leaves Keras's feeding alone (TensorFlow: tf.data prefetches in its own threads)."""
+
     def allreduce(self, tensors: Sequence[Any], *, average: bool, prescale: float = 1.0,
                   postscale: float = 1.0, compression=None) -> List[Any]:
         """Sum (or average) a list of tensors across ranks, inside the compiled step.

@@ -28,6 +28,7 @@ from typing import Any, List, Sequence
 
 import numpy as np
 
+from mgpu_launch import data
 from mgpu_launch.engines import Engine, rendezvous_address
 
 AXIS = "mgpu"
@@ -84,6 +85,25 @@ class JaxEngine(Engine):
         self.mesh = jax.sharding.Mesh(np.array(ordered), (AXIS,))
         self.device = jax.local_devices()[0]
         _patch_trainer(self)
+
+    def install_prefetch(self) -> None:
+        from keras.src.backend.jax import trainer as jax_trainer
+
+        iterator_class = jax_trainer.JAXEpochIterator
+        original = iterator_class._get_iterator
+        if getattr(original, "_mgpu", False):
+            return
+
+        def _get_iterator(self):
+            import jax
+
+            depth = data.prefetch_depth(jax.default_backend() != "cpu")
+            if depth == 0 or jax_trainer.distribution_lib.distribution() is not None:
+                return original(self)  # Keras's one-batch-ahead copy, in this thread
+            return data.Prefetcher(self.data_adapter.get_jax_iterator(), _to_device(), depth)
+
+        _get_iterator._mgpu = True
+        iterator_class._get_iterator = _get_iterator
 
     def shutdown(self) -> None:
         if self.mesh is not None:
@@ -266,3 +286,19 @@ def _patch_trainer(engine: JaxEngine) -> None:
         JAXTrainer.make_train_function = make_train_function
         JAXTrainer.jax_state_sync = jax_state_sync
     JAXTrainer._mgpu_engine = engine
+
+
+def _to_device():
+    """The prefetch thread's copy: Keras's ``jax.device_put``, to the device this thread sees
+    as the default, finished before the batch is handed to the step."""
+    import jax
+    from keras import tree
+
+    target = jax.config.jax_default_device  # a thread-local setting: read it here
+
+    def put(batch):
+        moved = tree.map_structure(
+            lambda x: None if x is None else jax.device_put(x, target), batch)
+        return jax.block_until_ready(moved)
+
+    return put

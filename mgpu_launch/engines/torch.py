@@ -24,6 +24,7 @@ import os
 import sys
 from typing import Any, List, Optional, Sequence
 
+from mgpu_launch import data
 from mgpu_launch.engines import Engine, rendezvous_address
 
 
@@ -68,6 +69,25 @@ class TorchEngine(Engine):
         sys.excepthook = ours
         self.initialized = True
         _patch_trainer()
+
+    def install_prefetch(self) -> None:
+        from keras.src.backend.torch import trainer as torch_trainer
+
+        iterator_class = torch_trainer.TorchEpochIterator
+        original = iterator_class._get_iterator
+        if getattr(original, "_mgpu", False):
+            return
+
+        def _get_iterator(self):
+            import torch
+
+            depth = data.prefetch_depth(torch.cuda.is_available())
+            if depth == 0:
+                return original(self)
+            return data.Prefetcher(original(self), _to_device(), depth)
+
+        _get_iterator._mgpu = True
+        iterator_class._get_iterator = _get_iterator
 
     def shutdown(self) -> None:
         if self._watched is not None:
@@ -231,3 +251,33 @@ def _patch_trainer() -> None:
 
     _initialize_ddp._mgpu = True
     TorchTrainer._initialize_ddp = _initialize_ddp
+
+
+def _to_device():
+    """The prefetch thread's copy: CPU tensors to pinned memory, then to the GPU on a side
+    stream, finished before the batch reaches the step. On CPU the thread only works ahead."""
+    import torch
+    from keras import tree
+    from keras.src.backend.torch.core import get_device
+
+    device = torch.device(get_device())
+    if device.type != "cuda":
+        return lambda batch: batch
+    side = torch.cuda.Stream(device)
+    consumer = torch.cuda.current_stream(device)  # where Keras's step runs
+
+    def move(x):
+        if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+            return x.pin_memory().to(device, non_blocking=True)
+        return x
+
+    def put(batch):
+        with torch.cuda.stream(side):
+            moved = tree.map_structure(move, batch)
+        side.synchronize()
+        for x in tree.flatten(moved):
+            if isinstance(x, torch.Tensor) and x.is_cuda:
+                x.record_stream(consumer)  # the allocator must not reuse it under the step
+        return moved
+
+    return put

@@ -1,0 +1,117 @@
+"""Device prefetch: the background iterator itself, and Keras's fit feeding through it."""
+
+import threading
+import time
+
+import pytest
+
+keras = pytest.importorskip("keras")
+
+import mgpu_launch as mgpu  # noqa: E402
+from mgpu_launch import data  # noqa: E402
+
+BACKEND = keras.backend.backend()
+
+
+def test_items_arrive_in_order_transformed_and_then_it_stops():
+    assert list(data.Prefetcher(range(50), lambda x: x * 2, depth=3)) == list(range(0, 100, 2))
+
+
+def test_the_thread_works_at_most_depth_items_ahead():
+    produced = []
+
+    def source():
+        for i in range(100):
+            produced.append(i)
+            yield i
+
+    batches = data.Prefetcher(source(), lambda x: x, depth=2)
+    assert next(batches) == 0
+    time.sleep(0.3)
+    # 1 handed out + 2 queued + 1 the thread holds while it waits for room
+    assert len(produced) <= 4
+
+
+def test_a_source_error_is_raised_in_the_consumer_after_the_good_items():
+    def source():
+        yield 1
+        yield 2
+        raise OSError("disk went away at batch 3")
+
+    batches = data.Prefetcher(source(), lambda x: x, depth=2)
+    assert [next(batches), next(batches)] == [1, 2]
+    with pytest.raises(OSError, match="disk went away at batch 3"):
+        next(batches)
+    with pytest.raises(StopIteration):
+        next(batches)
+
+
+def test_dropping_the_iterator_early_ends_the_thread():
+    def endless():
+        while True:
+            yield 0
+
+    before = threading.active_count()
+    batches = data.Prefetcher(endless(), lambda x: x, depth=2)
+    next(batches)
+    del batches
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() == before
+
+
+@pytest.mark.parametrize("value", ["-1", "two", "1.5"])
+def test_a_bad_prefetch_setting_is_explained(monkeypatch, value):
+    monkeypatch.setenv("MGPU_PREFETCH", value)
+    with pytest.raises(ValueError, match=rf"MGPU_PREFETCH='{value}': expected the number of "
+                                         rf"batches .* 0 turns device prefetch off"):
+        data.prefetch_depth(accelerator=True)
+
+
+def test_on_by_default_on_gpus_only(monkeypatch):
+    monkeypatch.delenv("MGPU_PREFETCH", raising=False)
+    assert (data.prefetch_depth(True), data.prefetch_depth(False)) == (2, 0)
+    monkeypatch.setenv("MGPU_PREFETCH", "3")
+    assert data.prefetch_depth(False) == 3
+
+
+class ThreadRecorder(keras.utils.PyDataset):
+    """Fixed batches; remembers which thread asked for each."""
+
+    def __init__(self):
+        super().__init__()
+        rng = __import__("numpy").random.default_rng(0)
+        self.x = rng.random((6, 8, 4), dtype="float32")
+        self.y = (self.x.sum(-1) > 2).astype("int32")
+        self.threads = []
+
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, index):
+        self.threads.append(threading.current_thread().name)
+        return self.x[index], self.y[index]
+
+
+def _fit_losses(depth, monkeypatch):
+    monkeypatch.setenv("MGPU_PREFETCH", str(depth))
+    keras.utils.set_random_seed(7)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+    model.compile(mgpu.DistributedOptimizer(keras.optimizers.SGD(0.5)),
+                  "sparse_categorical_crossentropy")
+    batches = ThreadRecorder()
+    history = model.fit(batches, epochs=2, verbose=0)
+    return history.history["loss"], set(batches.threads)
+
+
+@pytest.mark.backend
+def test_fit_feeds_from_the_prefetch_thread_with_the_same_result(monkeypatch):
+    prefetched, threads = _fit_losses(2, monkeypatch)
+    direct, direct_threads = _fit_losses(0, monkeypatch)
+    assert prefetched == pytest.approx(direct, rel=1e-6)
+    assert "mgpu-prefetch" not in direct_threads
+    if BACKEND in ("jax", "torch"):
+        assert threads == {"mgpu-prefetch"}
+    else:  # TensorFlow keeps its own tf.data pipeline
+        assert "mgpu-prefetch" not in threads
