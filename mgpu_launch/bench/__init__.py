@@ -1,0 +1,260 @@
+"""``mgpu-bench``: training throughput and scaling of Keras models under mgpu-launch.
+
+    mgpu-bench --model resnet50 --backend jax,torch --precision float32,mixed_bfloat16 \\
+        --gpus 1,2 --native --out bench-results
+    mgpu-bench --cpu --gpus 1,2 --model mlp-tiny --steps 5          # any machine, no GPU
+
+What is measured (the seed study's method): images (samples) per second of ``model.fit`` on
+synthetic data of the model's real input shape, summed over the processes; speedup =
+img/s(N) / img/s(1) and efficiency = speedup / N, always from runs of the SAME invocation
+(shared machines drift between invocations). Every GPU count is its own job started through
+the launcher (``mgpu-train -np N``), one process per GPU, with ``mgpu.DistributedOptimizer``.
+
+Timing: each rank reads the loss back at the end of the warm-up and every ``--window`` steps
+after it (that waits for the device); each window's rate is ``window x batch / seconds``; a
+rank's figure is the median window, the job's the sum over ranks.
+
+Input (``--data``; several give several rows from one compiled model):
+  device  one batch already on the device, every step (input feeding excluded);
+  host    numpy batches from a PyDataset, copied to the device by Keras (and by mgpu's
+          prefetch thread unless ``--prefetch 0``);
+  numpy   ``fit(x, y, batch_size=...)`` on in-memory arrays, shuffled: Keras slices every batch.
+
+``--native`` adds torchvision ResNet-50 + DistributedDataParallel (data on the device) as the
+"what the hardware does without Keras" reference, for ``--model resnet50`` on GPUs.
+
+Output under ``--out``: ``results.json`` (a header with machine, devices, versions, command,
+date, method; a list of rows), ``results.md`` and ``results.png`` (speedup and efficiency vs
+GPUs against the ideal line), and the console table. ``logs/`` keeps every job's output.
+Exit status: 0 when every run succeeded, 1 when one failed (the others are still reported),
+2 for a bad command line.
+"""
+
+import argparse
+import datetime
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+from launcher import devices
+from mgpu_launch.bench import report
+from mgpu_launch.bench.models import MODELS
+
+BACKENDS = ("tensorflow", "jax", "torch")
+PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
+DATA_MODES = ("device", "host", "numpy")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # exit code 2 with the usage, like argparse, plus a hint
+        self.print_usage(sys.stderr)
+        self.exit(2, f"mgpu-bench: error: {message}\n(mgpu-bench --help lists every option)\n")
+
+
+def get_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="mgpu-bench", description=__doc__.split("\n\n")[0],
+                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                     epilog="\n\n".join(__doc__.split("\n\n")[2:]))
+    add = parser.add_argument
+    add("--model", default="resnet50",
+        help=f"comma-separated, of: {', '.join(MODELS)} (default: %(default)s)")
+    add("--backend", default=os.environ.get("KERAS_BACKEND", "tensorflow"),
+        help="comma-separated Keras backends (default: KERAS_BACKEND, else tensorflow)")
+    add("--precision", default="float32",
+        help=f"comma-separated Keras dtype policies, of: {', '.join(PRECISIONS)}")
+    add("--gpus", default="1,2", help="process counts, comma-separated (default: %(default)s)")
+    add("--batch-per-gpu", type=int, help="samples per step per process (default: the model's)")
+    add("--steps", type=int, default=40, help="timed steps (default: %(default)s)")
+    add("--warmup-steps", type=int, default=10, help="untimed steps first (default: %(default)s)")
+    add("--window", type=int, default=5, help="steps per timing window (default: %(default)s)")
+    add("--data", default="host", help="comma-separated input modes, of: device, host, numpy")
+    add("--prefetch", default="2",
+        help="comma-separated MGPU_PREFETCH depths (0 = Keras's own feeding; default: 2)")
+    add("--native", action="store_true",
+        help="also run torchvision ResNet-50 + DDP (needs torch, torchvision and GPUs)")
+    add("--cpu", action="store_true",
+        help="run on CPU processes (no GPU needed; use a small model such as mlp-tiny)")
+    add("--timeout", type=float, default=900, help="seconds per job (default: %(default)s)")
+    add("--out", default="bench-results", help="output folder (default: %(default)s)")
+    return parser
+
+
+def _split(parser, option: str, value: str, allowed=None, kind=str) -> list:
+    try:
+        items = [kind(item) for item in value.split(",") if item.strip()]
+    except ValueError:
+        parser.error(f"{option} {value!r}: expected comma-separated integers, e.g. 1,2")
+    if not items:
+        parser.error(f"{option} {value!r}: expected at least one value")
+    bad = [item for item in items if allowed is not None and item not in allowed]
+    if bad:
+        parser.error(f"{option} {value!r}: unknown {', '.join(map(str, bad))}; expected "
+                     f"one or more of: {', '.join(map(str, allowed))}")
+    return items
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parse and check the command line; a bad one exits with status 2 and says why."""
+    parser = get_parser()
+    args = parser.parse_args(argv)
+    args.models = _split(parser, "--model", args.model, MODELS)
+    args.backends = _split(parser, "--backend", args.backend, BACKENDS)
+    args.precisions = _split(parser, "--precision", args.precision, PRECISIONS)
+    args.gpu_counts = sorted(set(_split(parser, "--gpus", args.gpus, kind=int)))
+    args.data_modes = _split(parser, "--data", args.data, DATA_MODES)
+    args.prefetch_depths = _split(parser, "--prefetch", args.prefetch, kind=int)
+    if min(args.gpu_counts) < 1 or min(args.prefetch_depths) < 0:
+        parser.error(f"--gpus {args.gpus!r} / --prefetch {args.prefetch!r}: expected process "
+                     f"counts >= 1 and prefetch depths >= 0")
+    if args.batch_per_gpu is not None and args.batch_per_gpu < 1:
+        parser.error(f"--batch-per-gpu {args.batch_per_gpu}: expected >= 1")
+    if args.window < 1 or args.steps < args.window or args.warmup_steps < 1:
+        parser.error(f"--steps {args.steps} --window {args.window} --warmup-steps "
+                     f"{args.warmup_steps}: need at least one timed window (steps >= window "
+                     f">= 1) after at least one warm-up step (it compiles the model)")
+    if args.native and (args.cpu or args.models != ["resnet50"]):
+        parser.error("--native: the native reference is torchvision ResNet-50 on GPUs; use it "
+                     "with --model resnet50 and without --cpu")
+    if not args.cpu:
+        gpus = devices.visible_gpus()
+        if max(args.gpu_counts) > len(gpus):
+            parser.error(
+                f"--gpus {args.gpus}: asked for {max(args.gpu_counts)} GPUs, but this machine "
+                f"shows {len(gpus)} (CUDA_VISIBLE_DEVICES / the NVIDIA driver). Ask for at "
+                f"most {len(gpus)}, or add --cpu to run CPU processes instead.")
+    return args
+
+
+def _job(args, backend: str, model: str, precision: str, gpus: int, result: str) -> List[str]:
+    worker = ["-m", "mgpu_launch.bench.worker", "--result", result, "--model", model,
+              "--precision", precision, "--steps", str(args.steps),
+              "--warmup-steps", str(args.warmup_steps), "--window", str(args.window),
+              "--data", ",".join(args.data_modes),
+              "--prefetch", ",".join(map(str, args.prefetch_depths))]
+    if args.batch_per_gpu:
+        worker += ["--batch-per-gpu", str(args.batch_per_gpu)]
+    if backend == "native":
+        worker[1] = "mgpu_launch.bench.native"
+    return [sys.executable, "-m", "launcher", "-np", str(gpus)] + worker
+
+
+def _environment(args, backend: str) -> Dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2")
+    if backend == "native":
+        env["MGPU_ENGINE"] = "none"
+    else:
+        env["KERAS_BACKEND"] = backend
+    if args.cpu:
+        env.update(CUDA_VISIBLE_DEVICES="", JAX_PLATFORMS="cpu")
+    return env
+
+
+def _run_job(command, env, log_path: str, timeout: float) -> int:
+    """Run one job; its output goes to the log, its progress lines to the console."""
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, errors="replace",
+                                   start_new_session=True)
+        deadline = time.monotonic() + timeout
+        for line in process.stdout:
+            log.write(line)
+            if "[mgpu-bench]" in line:
+                print("    " + line.split("[mgpu-bench]", 1)[1].strip(), flush=True)
+            if time.monotonic() > deadline:
+                break
+        try:
+            return process.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
+            process.wait()
+            log.write(f"\nmgpu-bench: killed after {timeout:g} s (--timeout)\n")
+            return 124
+
+
+def plan(args) -> List[tuple]:
+    """Every job of the invocation: (backend, model, precision, gpus), in run order."""
+    jobs = [(backend, model, precision, gpus) for model in args.models
+            for backend in args.backends for precision in args.precisions
+            for gpus in args.gpu_counts]
+    if args.native:
+        jobs += [("native", "resnet50", precision, gpus) for precision in args.precisions
+                 for gpus in args.gpu_counts]
+    return jobs
+
+
+def run_all(args) -> int:
+    """Run every job, then write the JSON, markdown and plot. Returns the exit status."""
+    os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
+    jobs, rows, failed, workers = plan(args), [], [], {}
+    started_all = time.monotonic()
+    for number, (backend, model, precision, gpus) in enumerate(jobs, 1):
+        label = f"{backend}-{model}-{precision}-np{gpus}"
+        result = os.path.join(args.out, "logs", f"{label}.json")
+        log = os.path.join(args.out, "logs", f"{label}.log")
+        print(f"[{number}/{len(jobs)}] {backend} {model} {precision} on {gpus} "
+              f"{'process' if args.cpu else 'GPU'}{'es' if args.cpu and gpus > 1 else ''}"
+              f"{'' if args.cpu or gpus == 1 else 's'} ...", flush=True)
+        started = time.monotonic()
+        status = _run_job(_job(args, backend, model, precision, gpus, result),
+                          _environment(args, backend), log, args.timeout)
+        if status != 0 or not os.path.exists(result):
+            failed.append(label)
+            print(f"    FAILED (exit {status}) after {time.monotonic() - started:.0f} s; the "
+                  f"job's output: {log}", flush=True)
+            continue
+        measured = report.load(result)
+        workers.setdefault(backend, measured)
+        for row in measured["rows"]:
+            rows.append(dict(row, backend=backend, precision=precision, gpus=gpus))
+            print(f"    {row['data']}, prefetch {row['prefetch']}: "
+                  f"{row['img_per_sec']:.0f} img/s", flush=True)
+        print(f"    done in {time.monotonic() - started:.0f} s", flush=True)
+    report.add_scaling(rows)
+    header = make_header(args, workers, time.monotonic() - started_all)
+    paths = report.write(args.out, header, rows)
+    print(report.console_table(rows))
+    print("wrote " + ", ".join(paths))
+    if failed:
+        print(f"mgpu-bench: {len(failed)} of {len(jobs)} jobs failed: {', '.join(failed)}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _gpu_names() -> Optional[List[str]]:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return [line.strip() for line in out.splitlines() if line.strip()] or None
+
+
+def make_header(args, workers: Dict[str, dict], seconds: float) -> dict:
+    """Where and how the figures were taken: machine, devices, versions, command, date."""
+    return {
+        "tool": "mgpu-bench",
+        "command": shlex.join(["mgpu-bench"] + sys.argv[1:]) if sys.argv[1:] else "mgpu-bench",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "gpus": None if args.cpu else _gpu_names(),
+        "mode": "cpu processes" if args.cpu else "one process per GPU",
+        "device": {backend: w.get("device") for backend, w in workers.items()},
+        "versions": {backend: w.get("versions") for backend, w in workers.items()},
+        "method": (f"model.fit on synthetic data; per rank the median of "
+                   f"{args.steps // args.window} windows of {args.window} steps after "
+                   f"{args.warmup_steps} warm-up steps (loss read back per window); img/s "
+                   f"summed over ranks; speedup and efficiency against 1 process of the same "
+                   f"invocation"),
+        "seconds": round(seconds),
+    }
+
+
+def main(argv=None) -> int:
+    """The ``mgpu-bench`` console script (also ``python -m mgpu_launch.bench``)."""
+    return run_all(parse_args(argv))

@@ -1,0 +1,5 @@
+import sys
+
+from mgpu_launch.bench import main
+
+sys.exit(main())

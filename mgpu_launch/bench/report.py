@@ -1,0 +1,120 @@
+"""mgpu-bench's outputs: scaling figures, the console table, JSON, markdown and the plot."""
+
+import json
+import os
+from typing import Dict, List, Tuple
+
+SERIES = ("backend", "model", "precision", "data", "prefetch", "batch_per_gpu")
+
+
+def load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def series_of(row: dict) -> Tuple:
+    return tuple(row.get(key) for key in SERIES)
+
+
+def label_of(key: Tuple) -> str:
+    backend, model, precision, data, prefetch, batch = key
+    feed = "device-resident" if data == "device" else (
+        f"{data}, prefetch {prefetch}" if prefetch is not None else data)
+    name = "native torch DDP" if backend == "native" else f"Keras {backend}"
+    return f"{name} {model} {precision} ({feed}, batch {batch}/GPU)"
+
+
+def add_scaling(rows: List[dict]) -> None:
+    """Set speedup = img/s(N) / img/s(1) and efficiency = speedup / N, per series, in place.
+
+    Without a 1-process row in the series both are None (never from another invocation).
+    """
+    single = {series_of(r): r["img_per_sec"] for r in rows if r["gpus"] == 1}
+    for row in rows:
+        base = single.get(series_of(row))
+        row["speedup"] = round(row["img_per_sec"] / base, 3) if base else None
+        row["efficiency"] = round(row["speedup"] / row["gpus"], 4) if base else None
+
+
+def _grouped(rows: List[dict]) -> Dict[Tuple, List[dict]]:
+    groups: Dict[Tuple, List[dict]] = {}
+    for row in rows:
+        groups.setdefault(series_of(row), []).append(row)
+    return groups
+
+
+def console_table(rows: List[dict]) -> str:
+    """One block per series, the seed study's columns: gpus | img/s | speedup | efficiency."""
+    blocks = []
+    for key, members in _grouped(rows).items():
+        lines = [label_of(key), "  gpus |     img/s | speedup | efficiency",
+                 "  -----+-----------+---------+-----------"]
+        for r in sorted(members, key=lambda r: r["gpus"]):
+            speedup = f"{r['speedup']:7.2f}" if r["speedup"] is not None else "      -"
+            eff = f"{100 * r['efficiency']:9.1f}%" if r["efficiency"] is not None else "         -"
+            lines.append(f"  {r['gpus']:4d} | {r['img_per_sec']:9.1f} | {speedup} | {eff}")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) if blocks else "(no results)"
+
+
+def markdown(header: dict, rows: List[dict]) -> str:
+    lines = [f"# mgpu-bench results, {header.get('date', '')}", ""]
+    lines += [f"- {key}: `{value}`" if key == "command" else f"- {key}: {value}"
+              for key, value in header.items()]
+    lines += ["", "| backend | model | precision | data | prefetch | batch/GPU | gpus | img/s | "
+              "per rank | speedup | efficiency |", "|" + "---|" * 11]
+    for r in rows:
+        eff = f"{100 * r['efficiency']:.1f}%" if r["efficiency"] is not None else "-"
+        speedup = f"{r['speedup']:.2f}" if r["speedup"] is not None else "-"
+        per_rank = ", ".join(f"{x:.0f}" for x in r["per_rank_img_per_sec"])
+        prefetch = "-" if r["prefetch"] is None else r["prefetch"]
+        lines.append(f"| {r['backend']} | {r['model']} | {r['precision']} | {r['data']} | "
+                     f"{prefetch} | {r['batch_per_gpu']} | {r['gpus']} | "
+                     f"{r['img_per_sec']:.0f} | {per_rank} | {speedup} | {eff} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(path: str, rows: List[dict], title: str) -> None:
+    """Speedup and efficiency vs process count, one line per series, against the ideal."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scaled = [r for r in rows if r["speedup"] is not None]
+    counts = sorted({r["gpus"] for r in rows}) or [1]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    left.plot(counts, counts, "k--", label="ideal")
+    right.plot(counts, [100] * len(counts), "k--", label="ideal")
+    for key, members in _grouped(scaled).items():
+        members = sorted(members, key=lambda r: r["gpus"])
+        gpus = [r["gpus"] for r in members]
+        left.plot(gpus, [r["speedup"] for r in members], "o-", label=label_of(key))
+        right.plot(gpus, [100 * r["efficiency"] for r in members], "o-", label=label_of(key))
+    for axis, name in ((left, "speedup (x)"), (right, "scaling efficiency (%)")):
+        axis.set_xlabel("GPUs (processes)")
+        axis.set_ylabel(name)
+        axis.set_xticks(counts)
+        axis.grid(alpha=0.3)
+    right.set_ylim(min([50] + [100 * r["efficiency"] - 5 for r in scaled]), 105)
+    right.legend(fontsize=7, loc="lower left")
+    figure.suptitle(title, fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def write(out: str, header: dict, rows: List[dict]) -> List[str]:
+    """results.json, results.md and results.png under `out`; returns the paths written."""
+    paths = [os.path.join(out, name) for name in ("results.json", "results.md", "results.png")]
+    with open(paths[0], "w") as f:
+        json.dump({"header": header, "rows": rows}, f, indent=1)
+    with open(paths[1], "w") as f:
+        f.write(markdown(header, rows))
+    try:
+        plot(paths[2], rows, f"mgpu-bench {header.get('date', '')}: "
+                             f"{header.get('gpus') or header.get('mode')}")
+    except ImportError:
+        print("mgpu-bench: matplotlib is not installed, so no results.png: "
+              "pip install 'mgpu-launch[bench]'")
+        paths.pop()
+    return paths

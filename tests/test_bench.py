@@ -1,0 +1,70 @@
+"""mgpu-bench end to end on CPU processes (the tool's own pipeline, tiny model), and its errors."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, explain, job_env, requires_mpirun
+
+BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
+
+
+def bench(*argv, timeout=600):
+    return subprocess.run([sys.executable, "-m", "mgpu_launch.bench", *argv], cwd=ROOT,
+                          env=job_env(KERAS_BACKEND=BACKEND), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@requires_mpirun
+def test_cpu_run_writes_the_table_the_json_and_the_plot(tmp_path):
+    pytest.importorskip(BACKEND)
+    pytest.importorskip("matplotlib")
+    result = bench("--cpu", "--gpus", "1,2", "--model", "mlp-tiny", "--steps", "5",
+                   "--backend", BACKEND, "--data", "host,numpy", "--out", str(tmp_path))
+    assert result.returncode == 0, explain(result)
+    assert "[1/2] " + BACKEND in result.stdout and "[2/2] " in result.stdout  # progress
+    assert "gpus |     img/s | speedup | efficiency" in result.stdout
+    document = json.loads((tmp_path / "results.json").read_text())
+    assert {"machine", "cpu_count", "versions", "date", "command", "method", "device"} <= set(
+        document["header"])
+    assert document["header"]["command"].startswith("mgpu-bench --cpu --gpus 1,2")
+    rows = document["rows"]
+    assert [(r["gpus"], r["data"]) for r in rows] == [(1, "host"), (1, "numpy"),
+                                                      (2, "host"), (2, "numpy")]
+    for row in rows:
+        assert {"backend", "precision", "model", "batch_per_gpu", "gpus", "img_per_sec",
+                "speedup", "efficiency"} <= set(row)
+        assert row["backend"] == BACKEND and row["model"] == "mlp-tiny"
+        assert row["img_per_sec"] > 0 and len(row["per_rank_img_per_sec"]) == row["gpus"]
+        assert row["efficiency"] == pytest.approx(row["speedup"] / row["gpus"], abs=1e-3)
+    assert [r["speedup"] for r in rows if r["gpus"] == 1] == [1.0, 1.0]
+    assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| backend | model | precision |" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpus", "1,x"], "--gpus '1,x': expected comma-separated integers"),
+    (["--model", "vgg16"], "unknown vgg16; expected one or more of: resnet50, inceptionv3"),
+    (["--backend", "mxnet"], "unknown mxnet; expected one or more of: tensorflow, jax, torch"),
+    (["--cpu", "--steps", "2", "--window", "5"], "need at least one timed window"),
+    (["--cpu", "--native"], "the native reference is torchvision ResNet-50 on GPUs"),
+    (["--gpus", "1,2,64"], "asked for 64 GPUs, but this machine shows"),
+])
+def test_bad_arguments_exit_2_and_say_why(argv, message):
+    result = bench(*argv, timeout=60)
+    assert result.returncode == 2, explain(result)
+    assert message in result.stderr, explain(result)
+
+
+@requires_mpirun
+def test_a_job_past_its_timeout_is_killed_reported_and_the_rest_still_written(tmp_path):
+    result = bench("--cpu", "--gpus", "1", "--model", "mlp-tiny", "--steps", "5",
+                   "--backend", BACKEND, "--timeout", "1", "--out", str(tmp_path))
+    assert result.returncode == 1, explain(result)
+    assert "FAILED (exit 124)" in result.stdout and "1 of 1 jobs failed" in result.stderr
+    assert json.loads((tmp_path / "results.json").read_text())["rows"] == []
+    assert "killed after 1 s" in (tmp_path / "logs" / f"{BACKEND}-mlp-tiny-float32-np1.log"
+                                  ).read_text()
