@@ -44,7 +44,7 @@ from launcher import devices
 from mgpu_launch.bench import report
 from mgpu_launch.bench.models import MODELS
 
-BACKENDS = ("tensorflow", "jax", "torch")
+BACKENDS = ("tensorflow", "jax", "torch", "native")
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 DATA_MODES = ("device", "host", "numpy")
 
@@ -63,7 +63,8 @@ def get_parser() -> argparse.ArgumentParser:
     add("--model", default="resnet50",
         help=f"comma-separated, of: {', '.join(MODELS)} (default: %(default)s)")
     add("--backend", default=os.environ.get("KERAS_BACKEND", "tensorflow"),
-        help="comma-separated Keras backends (default: KERAS_BACKEND, else tensorflow)")
+        help="comma-separated Keras backends, and/or native (the reference, see --native; "
+             "default: KERAS_BACKEND, else tensorflow)")
     add("--precision", default="float32",
         help=f"comma-separated Keras dtype policies, of: {', '.join(PRECISIONS)}")
     add("--gpus", default="1,2", help="process counts, comma-separated (default: %(default)s)")
@@ -75,7 +76,8 @@ def get_parser() -> argparse.ArgumentParser:
     add("--prefetch", default="2",
         help="comma-separated MGPU_PREFETCH depths (0 = Keras's own feeding; default: 2)")
     add("--native", action="store_true",
-        help="also run torchvision ResNet-50 + DDP (needs torch, torchvision and GPUs)")
+        help="also run torchvision ResNet-50 + DDP (needs torch, torchvision and GPUs); "
+             "the same as adding native to --backend")
     add("--cpu", action="store_true",
         help="run on CPU processes (no GPU needed; use a small model such as mlp-tiny)")
     add("--timeout", type=float, default=900, help="seconds per job (default: %(default)s)")
@@ -116,7 +118,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--steps {args.steps} --window {args.window} --warmup-steps "
                      f"{args.warmup_steps}: need at least one timed window (steps >= window "
                      f">= 1) after at least one warm-up step (it compiles the model)")
-    if args.native and (args.cpu or args.models != ["resnet50"]):
+    if args.native and "native" not in args.backends:
+        args.backends.append("native")
+    if "native" in args.backends and (args.cpu or args.models != ["resnet50"]):
         parser.error("--native: the native reference is torchvision ResNet-50 on GPUs; use it "
                      "with --model resnet50 and without --cpu")
     if not args.cpu:
@@ -177,13 +181,9 @@ def _run_job(command, env, log_path: str, timeout: float) -> int:
 
 def plan(args) -> List[tuple]:
     """Every job of the invocation: (backend, model, precision, gpus), in run order."""
-    jobs = [(backend, model, precision, gpus) for model in args.models
+    return [(backend, model, precision, gpus) for model in args.models
             for backend in args.backends for precision in args.precisions
             for gpus in args.gpu_counts]
-    if args.native:
-        jobs += [("native", "resnet50", precision, gpus) for precision in args.precisions
-                 for gpus in args.gpu_counts]
-    return jobs
 
 
 def run_all(args) -> int:
@@ -213,6 +213,10 @@ def run_all(args) -> int:
             print(f"    {row['data']}, prefetch {row['prefetch']}: "
                   f"{row['img_per_sec']:.0f} img/s", flush=True)
         print(f"    done in {time.monotonic() - started:.0f} s", flush=True)
+        if number < len(jobs):  # keep what is measured if the invocation is cut short
+            report.add_scaling(rows)
+            report.write(args.out, make_header(args, workers, time.monotonic() - started_all),
+                         rows, with_plot=False)
     report.add_scaling(rows)
     header = make_header(args, workers, time.monotonic() - started_all)
     paths = report.write(args.out, header, rows)

@@ -103,13 +103,15 @@ def plot(path: str, rows: List[dict], title: str) -> None:
     plt.close(figure)
 
 
-def write(out: str, header: dict, rows: List[dict]) -> List[str]:
+def write(out: str, header: dict, rows: List[dict], with_plot: bool = True) -> List[str]:
     """results.json, results.md and results.png under `out`; returns the paths written."""
     paths = [os.path.join(out, name) for name in ("results.json", "results.md", "results.png")]
     with open(paths[0], "w") as f:
         json.dump({"header": header, "rows": rows}, f, indent=1)
     with open(paths[1], "w") as f:
         f.write(markdown(header, rows))
+    if not with_plot:
+        return paths[:2]
     try:
         plot(paths[2], rows, f"mgpu-bench {header.get('date', '')}: "
                              f"{header.get('gpus') or header.get('mode')}")
