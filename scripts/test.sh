@@ -18,7 +18,7 @@ for backend in $backends; do
             "(expected tensorflow, jax or torch)" >&2; exit 2 ;;
   esac
 done
-"$python" -m pip install -q --disable-pip-version-check -e ".[$extras]" || exit 1
+PYTHON=$python scripts/install.sh "$extras" || exit 1
 
 status=0
 select=()

@@ -1,0 +1,48 @@
+# mgpu-launch with GPU TensorFlow, `mgpu-train` as the entry point.
+#
+# NOT BUILT: the project's machines have no Docker engine, so this file has never been built or
+# run. What CI does check is its install step: the RUN below calls scripts/install.sh, the same
+# script scripts/test.sh (CI) installs with, with the `tensorflow` extra instead of
+# `tensorflow-cpu`. The TensorFlow GPU path itself is untested (README, "Status").
+#
+#   docker build -t mgpu-launch .
+#   docker run --rm --gpus all --ipc=host mgpu-launch -np 2 \
+#       /opt/mgpu-launch/examples/keras_resnet50_synthetic.py --batch-size 64
+#
+# --ipc=host (or a large --shm-size): Open MPI and NCCL pass data between the processes of one
+# host through shared memory, and Docker's default /dev/shm is 64 MB.
+
+# CUDA 12 runtime libraries, cuDNN 9 and NCCL, as TensorFlow 2.21's GPU build expects
+# (CUDA >= 12.5, < 13; cuDNN >= 9.3). Ubuntu 24.04 brings Python 3.12.
+FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+
+# PIP_NO_CACHE_DIR keeps pip's download cache out of the layer (scripts/install.sh stays as CI
+# runs it). openssh-client: mpirun starts ranks on other hosts over ssh.
+ENV DEBIAN_FRONTEND=noninteractive \
+    PIP_NO_CACHE_DIR=1 \
+    PYTHONUNBUFFERED=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    KERAS_BACKEND=tensorflow
+
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv openssh-client \
+ && rm -rf /var/lib/apt/lists/* \
+ && python3 -m venv /opt/venv
+
+# Only what the package needs (and the examples), so edits elsewhere keep the cache.
+WORKDIR /opt/mgpu-launch
+COPY pyproject.toml setup.py README.md ./
+COPY scripts/install.sh scripts/
+COPY launcher/ launcher/
+COPY mgpu_launch/ mgpu_launch/
+COPY examples/ examples/
+RUN PYTHON=/opt/venv/bin/python scripts/install.sh tensorflow
+
+# Not root: Open MPI refuses root without --allow-run-as-root, and a container needs no root.
+RUN useradd --create-home --shell /bin/bash mgpu
+USER mgpu
+WORKDIR /home/mgpu
+
+ENTRYPOINT ["mgpu-train"]
+CMD ["--help"]
