@@ -1,11 +1,10 @@
-"""Every example runs end to end on 2 processes (small sizes, CPU), and the benchmark script.
+"""Every example runs end to end on 2 processes (small sizes, CPU).
 
 examples/keras_digits.py (the README's quick-start job) runs at full size, on every backend, in
 tests/test_convergence.py. The others run once, under the suite's first backend (they are not
 marked `backend`): what they exercise per backend is tested elsewhere, and CI time is short.
 """
 
-import json
 import os
 import pickle
 import subprocess
@@ -103,32 +102,3 @@ def test_horovod_style_script_runs_with_only_its_import_changed(tmp_path):
     with open(os.path.join(ROOT, "examples", "horovod_keras.py")) as script:
         source = script.read()
     assert "import mgpu_launch.keras as hvd" in source and "import mgpu_launch as" not in source
-
-
-@pytest.mark.backend
-def test_benchmark_script_writes_its_table_and_json(tmp_path):
-    command = [sys.executable, "benchmarks/keras_resnet50.py", "--backend", BACKEND,
-               "--model", "small-cnn", "--image-size", "16", "--batch-per-gpu", "4",
-               "--steps", "4", "--warmup-steps", "2", "--window", "2",
-               "--precision", "float32", "--out", str(tmp_path)]
-    result = subprocess.run(command, cwd=ROOT, env=job_env(**ENV), capture_output=True,
-                            text=True, timeout=600)
-    assert result.returncode == 0, explain(result)
-    document = json.loads((tmp_path / "results.json").read_text())
-    assert {"machine", "device", "versions", "date", "command"} <= set(document["header"])
-    rows = document["rows"]
-    assert [(r["gpus"], r["data"]) for r in rows] == [(1, "device"), (1, "host"),
-                                                      (2, "device"), (2, "host")]
-    for row in rows:
-        assert row["backend"] == BACKEND and row["batch_per_gpu"] == 4
-        assert row["img_per_sec"] > 0 and len(row["per_rank_img_per_sec"]) == row["gpus"]
-        assert 0 < row["efficiency"]
-    assert "| backend | precision | data | gpus | img/s |" in result.stdout
-
-
-@pytest.mark.backend
-def test_benchmark_script_rejects_bad_arguments(tmp_path):
-    result = subprocess.run([sys.executable, "benchmarks/keras_resnet50.py", "--gpus", "1,x"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2
-    assert "--gpus '1,x': expected comma-separated integers" in result.stderr
