@@ -103,6 +103,13 @@ def plot(path: str, rows: List[dict], title: str) -> None:
     plt.close(figure)
 
 
+def _devices(header: dict) -> str:
+    names = header.get("gpus")
+    if not names:
+        return str(header.get("mode", ""))
+    return ", ".join(f"{names.count(name)}x {name}" for name in dict.fromkeys(names))
+
+
 def write(out: str, header: dict, rows: List[dict], with_plot: bool = True) -> List[str]:
     """results.json, results.md and results.png under `out`; returns the paths written."""
     paths = [os.path.join(out, name) for name in ("results.json", "results.md", "results.png")]
@@ -113,8 +120,7 @@ def write(out: str, header: dict, rows: List[dict], with_plot: bool = True) -> L
     if not with_plot:
         return paths[:2]
     try:
-        plot(paths[2], rows, f"mgpu-bench {header.get('date', '')}: "
-                             f"{header.get('gpus') or header.get('mode')}")
+        plot(paths[2], rows, f"mgpu-bench {header.get('date', '')}: {_devices(header)}")
     except ImportError:
         print("mgpu-bench: matplotlib is not installed, so no results.png: "
               "pip install 'mgpu-launch[bench]'")
