@@ -22,5 +22,10 @@ case $stage in
          --steps 30 --timeout 60
      run cifar --backend jax,torch --model cifar-cnn --precision float32,mixed_bfloat16 \
          --gpus 1,2,4 --steps 30 --timeout 60 ;;
+  4) B="--model resnet50 --gpus 1,2,4 --steps 30 --timeout 150"
+     run bf16-again --backend jax --precision mixed_bfloat16 $B
+     MGPU_FUSION_MB=32 run bf16-fusion32 --backend jax --precision mixed_bfloat16 $B
+     MGPU_PROFILE_SKIP_ALLREDUCE=1 run bf16-noallreduce --backend jax --precision mixed_bfloat16 $B
+     run torch-fp32-again --backend torch --precision float32 $B ;;
 esac
 tar czf $OUT/logs$stage.tgz -C /tmp bench 2>/dev/null
