@@ -102,6 +102,36 @@ class Engine:
 _engine: Optional[Engine] = None
 
 
+def prefetch_epoch_iterator(iterator_class, *, accelerator, source, to_device) -> None:
+    """Make Keras's epoch iterator of a backend feed from ``mgpu_launch.data.Prefetcher``.
+
+    Patches ``iterator_class._get_iterator`` once (idempotent). Each epoch it asks
+    ``data.prefetch_depth(accelerator())``; at depth 0, or when ``source(epoch_iterator,
+    keras_get_iterator)`` returns None, Keras's own feeding runs unchanged.
+
+    Args:
+        iterator_class: the backend's ``EpochIterator`` subclass.
+        accelerator: () -> whether the backend computes on a GPU (prefetch default on).
+        source: (epoch_iterator, keras_get_iterator) -> the batches to prefetch, or None.
+        to_device: () -> the copy the prefetch thread applies to each batch.
+    """
+    from mgpu_launch import data
+
+    original = iterator_class._get_iterator
+    if getattr(original, "_mgpu", False):
+        return
+
+    def _get_iterator(self):
+        depth = data.prefetch_depth(accelerator())
+        batches = source(self, original) if depth else None
+        if batches is None:
+            return original(self)
+        return data.Prefetcher(batches, to_device(), depth)
+
+    _get_iterator._mgpu = True
+    iterator_class._get_iterator = _get_iterator
+
+
 def free_port() -> int:
     """A TCP port that is free on this host right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

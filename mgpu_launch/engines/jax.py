@@ -28,8 +28,7 @@ from typing import Any, List, Sequence
 
 import numpy as np
 
-from mgpu_launch import data
-from mgpu_launch.engines import Engine, rendezvous_address
+from mgpu_launch.engines import Engine, prefetch_epoch_iterator, rendezvous_address
 
 AXIS = "mgpu"
 
@@ -87,23 +86,17 @@ class JaxEngine(Engine):
         _patch_trainer(self)
 
     def install_prefetch(self) -> None:
+        import jax
         from keras.src.backend.jax import trainer as jax_trainer
 
-        iterator_class = jax_trainer.JAXEpochIterator
-        original = iterator_class._get_iterator
-        if getattr(original, "_mgpu", False):
-            return
+        def batches(epoch_iterator, keras_get_iterator):
+            if jax_trainer.distribution_lib.distribution() is not None:
+                return None  # keras.distribution lays batches out itself
+            return epoch_iterator.data_adapter.get_jax_iterator()
 
-        def _get_iterator(self):
-            import jax
-
-            depth = data.prefetch_depth(jax.default_backend() != "cpu")
-            if depth == 0 or jax_trainer.distribution_lib.distribution() is not None:
-                return original(self)  # Keras's one-batch-ahead copy, in this thread
-            return data.Prefetcher(self.data_adapter.get_jax_iterator(), _to_device(), depth)
-
-        _get_iterator._mgpu = True
-        iterator_class._get_iterator = _get_iterator
+        prefetch_epoch_iterator(jax_trainer.JAXEpochIterator, source=batches,
+                                accelerator=lambda: jax.default_backend() != "cpu",
+                                to_device=_to_device)
 
     def shutdown(self) -> None:
         if self.mesh is not None:

@@ -24,8 +24,7 @@ import os
 import sys
 from typing import Any, List, Optional, Sequence
 
-from mgpu_launch import data
-from mgpu_launch.engines import Engine, rendezvous_address
+from mgpu_launch.engines import Engine, prefetch_epoch_iterator, rendezvous_address
 
 
 class TorchEngine(Engine):
@@ -71,23 +70,13 @@ class TorchEngine(Engine):
         _patch_trainer()
 
     def install_prefetch(self) -> None:
+        import torch
         from keras.src.backend.torch import trainer as torch_trainer
 
-        iterator_class = torch_trainer.TorchEpochIterator
-        original = iterator_class._get_iterator
-        if getattr(original, "_mgpu", False):
-            return
-
-        def _get_iterator(self):
-            import torch
-
-            depth = data.prefetch_depth(torch.cuda.is_available())
-            if depth == 0:
-                return original(self)
-            return data.Prefetcher(original(self), _to_device(), depth)
-
-        _get_iterator._mgpu = True
-        iterator_class._get_iterator = _get_iterator
+        prefetch_epoch_iterator(
+            torch_trainer.TorchEpochIterator, accelerator=torch.cuda.is_available,
+            source=lambda epoch_iterator, keras_get_iterator: keras_get_iterator(epoch_iterator),
+            to_device=_to_device)
 
     def shutdown(self) -> None:
         if self._watched is not None:
