@@ -1,7 +1,7 @@
-"""``python -m launcher`` is ``mgpu-train`` (mpirun starts each rank this way)."""
+"""``python -m mgpu_launcher`` is ``mgpu-train`` (mpirun starts each rank this way)."""
 
 import sys
 
-from launcher.cli import main
+from mgpu_launcher.cli import main
 
 sys.exit(main())

@@ -3,10 +3,10 @@
 Two modes, chosen by ``-np``:
 
 * **standalone** (``mgpu-train -np 4 train.py``): start the job through mpirun, which runs
-  ``python -m launcher train.py`` on every rank, and supervise it (launcher.supervisor);
+  ``python -m mgpu_launcher train.py`` on every rank, and supervise it (mgpu_launcher.supervisor);
 * **worker** (no ``-np``: ``mpirun -np 4 mgpu-train train.py``, ``srun mgpu-train train.py``, or
   plainly ``mgpu-train train.py`` for one process): run the program in this process
-  (launcher.worker).
+  (mgpu_launcher.worker).
 
 Like ``python``, everything after the script name (or ``-m module`` / ``-c code``) belongs to
 the program, not to mgpu-train.
@@ -20,7 +20,7 @@ import shlex
 import sys
 from typing import List, Optional, Sequence, Tuple
 
-from launcher import __version__, devices, environments, mpirun, supervisor, worker
+from mgpu_launcher import __version__, devices, environments, mpirun, supervisor, worker
 
 PROG = "mgpu-train"
 
@@ -203,7 +203,7 @@ def parse_args(argv: Sequence[str]) -> Config:
 
 def worker_command(config: Config) -> List[str]:
     """What each rank runs: this launcher again, in worker mode, with the same program."""
-    command = [sys.executable, "-m", "launcher"]
+    command = [sys.executable, "-m", "mgpu_launcher"]
     if not config.pin:
         command.append("--no-pin")
     if config.kind == "script":
@@ -243,7 +243,7 @@ def build_job(config: Config) -> Tuple[List[str], mpirun.Flavour, dict]:
 def run(config: Config) -> int:
     """Carry out a parsed command line; returns the exit status."""
     if config.env_report:
-        from launcher import envreport
+        from mgpu_launcher import envreport
         print(envreport.report())
         return 0
     if config.np is None:

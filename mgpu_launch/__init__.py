@@ -7,7 +7,7 @@
 Start the script with ``mgpu-train -np 4 train.py`` (or ``mpirun -np 4 mgpu-train train.py``).
 """
 
-from launcher import __version__
+from mgpu_launcher import __version__
 from mgpu_launch.collectives import (Average, Max, Min, MismatchError, ReduceOp, Sum,
                                      allgather, allgather_object, allreduce, barrier, broadcast,
                                      broadcast_object)

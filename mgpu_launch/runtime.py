@@ -1,6 +1,6 @@
 """The process's place in the job, and the MPI communicator behind it: one state object.
 
-``init()`` reads the placement the launcher left in the environment (launcher.environments),
+``init()`` reads the placement the launcher left in the environment (mgpu_launcher.environments),
 starts MPI when there is more than one process, and derives the local (same host) and cross
 (same local rank, across hosts) communicators the way Horovod does. With one process and no
 launcher it starts nothing: every collective is then a copy, and costs nothing measurable.
@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from launcher import environments, worker
+from mgpu_launcher import environments, worker
 
 
 class NotInitializedError(RuntimeError):
@@ -78,7 +78,7 @@ def init() -> None:
     ``MGPU_ENGINE=none`` skips the engine (host collectives only, Keras never imported).
 
     Raises:
-        launcher.environments.DetectionError: the launcher's variables are contradictory.
+        mgpu_launcher.environments.DetectionError: the launcher's variables are contradictory.
         RuntimeError: the environment and MPI disagree on the job's size or this rank.
 
     Example:

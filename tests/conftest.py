@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from launcher import mpirun
+from mgpu_launcher import mpirun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
@@ -33,7 +33,7 @@ def job_env(**extra):
 
 def launch(*argv, timeout=120, **extra_env):
     """Run `mgpu-train argv...` as a real process; returns the CompletedProcess."""
-    return subprocess.run([sys.executable, "-m", "launcher", *argv], cwd=ROOT, env=job_env(**extra_env),
+    return subprocess.run([sys.executable, "-m", "mgpu_launcher", *argv], cwd=ROOT, env=job_env(**extra_env),
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from launcher import cli, mpirun
+from mgpu_launcher import cli, mpirun
 
 OPENMPI_VERSION = "mpirun (Open MPI) 5.0.11\n\nReport bugs to https://www.open-mpi.org/community/help/\n"
 MPICH_VERSION = "HYDRA build details:\n    Version:                                 4.1.2\n"
@@ -111,14 +111,14 @@ def test_unknown_flavour_is_refused():
 
 
 def test_openmpi_command_as_list():
-    command = mpirun.build_command("/bin/mpirun", mpirun.OPENMPI, 4, ["python", "-m", "launcher", "t.py"],
+    command = mpirun.build_command("/bin/mpirun", mpirun.OPENMPI, 4, ["python", "-m", "mgpu_launcher", "t.py"],
                                    hosts="a:2,b:2", forward=["KERAS_BACKEND", "PATH"],
                                    as_root=True, oversubscribe=True)
     assert command[:3] == ["/bin/mpirun", "-np", "4"]
     for piece in (["--allow-run-as-root"], ["--oversubscribe"], ["-H", "a:2,b:2"],
                   ["--bind-to", "none"], ["--tag-output"], ["-x", "KERAS_BACKEND", "-x", "PATH"]):
         assert any(command[i:i + len(piece)] == piece for i in range(len(command)))
-    assert command[-4:] == ["python", "-m", "launcher", "t.py"]
+    assert command[-4:] == ["python", "-m", "mgpu_launcher", "t.py"]
 
 
 def test_mpich_command_uses_hydra_spelling():
@@ -132,7 +132,7 @@ def test_dry_run_prints_the_mpirun_command(script, capsys, monkeypatch):
     assert cli.main(["-np", "2", "--dry-run", "-x", "FOO=1", "--no-pin", script, "--lr", "1"]) == 0
     out = capsys.readouterr().out.strip()
     assert "mpirun -np 2" in out and "-x FOO" in out and "-x NCCL_DEBUG" in out
-    assert out.endswith(f"-m launcher --no-pin -- {script} --lr 1")
+    assert out.endswith(f"-m mgpu_launcher --no-pin -- {script} --lr 1")
     assert ("--allow-run-as-root" in out) == (os.geteuid() == 0)
 
 

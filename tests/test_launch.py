@@ -64,7 +64,7 @@ def test_all_ranks_output_and_per_rank_logs(tmp_path):
 
 
 def test_under_plain_mpirun(tmp_path):
-    command = [find_mpirun(), "-np", "2", "--oversubscribe", sys.executable, "-m", "launcher",
+    command = [find_mpirun(), "-np", "2", "--oversubscribe", sys.executable, "-m", "mgpu_launcher",
                REPORT, str(tmp_path)]
     result = subprocess.run(command, cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, explain(result)
@@ -117,7 +117,7 @@ def test_a_failing_rank_stops_the_job_fast(how, cause):
 
 def test_sigterm_to_the_launcher_leaves_nothing_behind(tmp_path):
     pidfile = str(tmp_path / "pid")
-    proc = subprocess.Popen([sys.executable, "-m", "launcher", "-np", "2", FAIL, "hang", "99", pidfile],
+    proc = subprocess.Popen([sys.executable, "-m", "mgpu_launcher", "-np", "2", FAIL, "hang", "99", pidfile],
                             cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while len(glob.glob(pidfile + ".*")) < 2:

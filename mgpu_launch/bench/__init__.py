@@ -40,7 +40,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from launcher import devices
+from mgpu_launcher import devices
 from mgpu_launch.bench import report
 from mgpu_launch.bench.models import MODELS
 
@@ -143,7 +143,7 @@ def _job(args, backend: str, model: str, precision: str, gpus: int, result: str)
         worker += ["--batch-per-gpu", str(args.batch_per_gpu)]
     if backend == "native":
         worker[1] = "mgpu_launch.bench.native"
-    return [sys.executable, "-m", "launcher", "-np", str(gpus)] + worker
+    return [sys.executable, "-m", "mgpu_launcher", "-np", str(gpus)] + worker
 
 
 def _environment(args, backend: str) -> Dict[str, str]:

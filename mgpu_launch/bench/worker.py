@@ -128,7 +128,7 @@ def versions(keras) -> dict:
 
 
 def _own_version() -> str:
-    import launcher
+    import mgpu_launcher as launcher
     return launcher.__version__
 
 

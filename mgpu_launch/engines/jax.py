@@ -51,7 +51,7 @@ class JaxEngine(Engine):
         import jax
         from jax._src import xla_bridge
 
-        from launcher import devices
+        from mgpu_launcher import devices
 
         if xla_bridge.backends_are_initialized():
             raise RuntimeError(
