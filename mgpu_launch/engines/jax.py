@@ -28,7 +28,8 @@ from typing import Any, List, Sequence
 
 import numpy as np
 
-from mgpu_launch.engines import Engine, prefetch_epoch_iterator, rendezvous_address
+from mgpu_launch.engines import Engine, prefetch_epoch_iterator
+from mgpu_launch.rendezvous import rendezvous_address
 
 AXIS = "mgpu"
 

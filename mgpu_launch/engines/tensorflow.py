@@ -27,7 +27,8 @@ from typing import Any, List, Sequence
 
 import numpy as np
 
-from mgpu_launch.engines import Engine, free_port, host_address
+from mgpu_launch.engines import Engine
+from mgpu_launch.rendezvous import free_port, host_address
 
 TRANSPORTS = ("collective", "mpi")
 _JOB = "worker"

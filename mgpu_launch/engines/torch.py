@@ -24,7 +24,8 @@ import os
 import sys
 from typing import Any, List, Optional, Sequence
 
-from mgpu_launch.engines import Engine, prefetch_epoch_iterator, rendezvous_address
+from mgpu_launch.engines import Engine, prefetch_epoch_iterator
+from mgpu_launch.rendezvous import rendezvous_address
 
 
 class TorchEngine(Engine):
