@@ -20,6 +20,13 @@ Environment each worker's program receives (besides what its MPI launcher sets):
     CUDA_VISIBLE_DEVICES             = MGPU_GPU, except for KERAS_BACKEND=jax, which must see
                                      every GPU (the runtime passes local_device_ids instead)
 
+In standalone mode with restarts (``mgpu-train -np N --max-restarts M``, M > 0) also:
+
+    MGPU_RESTART_COUNT               0 for the first attempt, 1 after the first restart, ...
+                                     (``--max-restarts``)
+    MGPU_PROGRESS_MARKER             1: rank 0 prints worker.PROGRESS_MARKER after its first
+                                     training step, so a failure after it is worth a restart
+
 In standalone mode, mpirun also forwards PATH, LD_LIBRARY_PATH, PYTHONPATH, KERAS_BACKEND,
 KERAS_HOME, VIRTUAL_ENV, every MGPU_*, NCCL_*, XLA_*, TF_*, JAX_*, CUDA_*, OMP_* variable that
 is set, and each ``-x VAR``.

@@ -3,7 +3,8 @@
 Two modes, chosen by ``-np``:
 
 * **standalone** (``mgpu-train -np 4 train.py``): start the job through mpirun, which runs
-  ``python -m mgpu_launcher train.py`` on every rank, and supervise it (mgpu_launcher.supervisor);
+  ``python -m mgpu_launcher train.py`` on every rank, and supervise it (mgpu_launcher.supervisor),
+  starting it again after a failure with ``--max-restarts N`` (:func:`run_with_restarts`);
 * **worker** (no ``-np``: ``mpirun -np 4 mgpu-train train.py``, ``srun mgpu-train train.py``, or
   plainly ``mgpu-train train.py`` for one process): run the program in this process
   (mgpu_launcher.worker).
@@ -60,6 +61,7 @@ class Config:
     pin: bool = True
     dry_run: bool = False
     env_report: bool = False
+    max_restarts: int = 0
 
 
 def get_parser() -> argparse.ArgumentParser:
@@ -85,8 +87,14 @@ def get_parser() -> argparse.ArgumentParser:
     job.add_argument("--output-dir", metavar="DIR", help="write each rank's output to "
                      "DIR/rank.N.log")
     job.add_argument("--all-ranks-output", action="store_true",
-                     help="show every rank's stdout (default: rank 0's; stderr always)")
+                     help="show every rank's stdout (default: rank 0's; stderr always) and "
+                          "do not merge the stderr lines several ranks print alike "
+                          "(default: once, tagged [0-3]; MGPU_MERGE_SECONDS sets the window)")
     job.add_argument("--dry-run", action="store_true", help="print the mpirun command, run nothing")
+    job.add_argument("--max-restarts", metavar="N", default=None,
+                     help="after a failure, tear the job down and start it again, up to N times "
+                          "(default: $MGPU_MAX_RESTARTS, else 0). A job that fails before its "
+                          "first training step is done is not restarted.")
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="do not pin GPU local_rank to each process")
     parser.add_argument("--env", dest="env_report", action="store_true",
@@ -134,6 +142,22 @@ def _parse_np(value: Optional[str]) -> Optional[int]:
     return np
 
 
+def _parse_max_restarts(value: Optional[str]) -> int:
+    source = "--max-restarts"
+    if value is None:
+        value, source = os.environ.get("MGPU_MAX_RESTARTS", "").strip(), "MGPU_MAX_RESTARTS"
+        if value == "":
+            return 0
+    try:
+        restarts = int(value)
+    except ValueError:
+        restarts = -1
+    if restarts < 0:
+        raise UsageError(f"{source} {value!r}: expected a whole number of restarts >= 0, "
+                         f"e.g. --max-restarts 3")
+    return restarts
+
+
 def _check_hosts(hosts: str) -> None:
     for entry in hosts.split(","):
         if not _HOST_ENTRY.match(entry):
@@ -171,6 +195,7 @@ def parse_args(argv: Sequence[str]) -> Config:
     own, kind, target, args = split_argv(parser, argv)
     options = parser.parse_args(own)
     np = _parse_np(options.np)
+    max_restarts = _parse_max_restarts(options.max_restarts)
     if options.hosts:
         _check_hosts(options.hosts)
     if options.hostfile:
@@ -179,7 +204,8 @@ def parse_args(argv: Sequence[str]) -> Config:
                        "--mpirun": options.mpirun, "--mpirun-args": options.mpirun_args,
                        "-x": options.forward, "--output-dir": options.output_dir,
                        "--all-ranks-output": options.all_ranks_output,
-                       "--dry-run": options.dry_run}
+                       "--dry-run": options.dry_run,
+                       "--max-restarts": options.max_restarts is not None}
     given = [flag for flag, value in standalone_only.items() if value]
     if np is None and given:
         raise UsageError(f"{', '.join(given)} only apply when mgpu-train starts the job: add "
@@ -198,7 +224,8 @@ def parse_args(argv: Sequence[str]) -> Config:
                   mpirun_args=tuple(shlex.split(options.mpirun_args)),
                   forward=tuple(options.forward), output_dir=options.output_dir,
                   all_ranks_output=options.all_ranks_output, pin=options.pin,
-                  dry_run=options.dry_run, env_report=options.env_report)
+                  dry_run=options.dry_run, env_report=options.env_report,
+                  max_restarts=max_restarts)
 
 
 def worker_command(config: Config) -> List[str]:
@@ -216,6 +243,10 @@ def worker_command(config: Config) -> List[str]:
 def job_environment(config: Config) -> Tuple[dict, List[str]]:
     """The environment mpirun starts with, and the variable names it must forward."""
     env = dict(os.environ)
+    if config.max_restarts > 0:
+        # Rank 0 prints worker.PROGRESS_MARKER after its first step (a failure after it is
+        # worth a restart), and every rank knows which restart it is (0: the first run).
+        env.update(MGPU_PROGRESS_MARKER="1", MGPU_RESTART_COUNT="0")
     names = []
     for item in config.forward:
         name, has_value, value = item.partition("=")
@@ -252,8 +283,56 @@ def run(config: Config) -> int:
     if config.dry_run:
         print(shlex.join(command))
         return 0
-    return supervisor.supervise(command, flavour, all_ranks=config.all_ranks_output,
-                                output_dir=config.output_dir, env=env)
+    return run_with_restarts(config, command, flavour, env)
+
+
+def run_with_restarts(config: Config, command: List[str], flavour: mpirun.Flavour,
+                      env: dict) -> int:
+    """Run the job; after a failure start it again, up to ``config.max_restarts`` times.
+
+    Every attempt is torn down completely first (the supervisor waits until no process of it
+    is left). Not restarted: success, mgpu-train itself stopped by a signal, and a failure
+    before any rank finished a training step (a SyntaxError, an ImportError, a wrong path:
+    the same error would come back every time). Returns the last attempt's exit status.
+    """
+    attempts = config.max_restarts + 1
+    window = merge_window()
+    for attempt in range(1, attempts + 1):
+        env["MGPU_RESTART_COUNT"] = str(attempt - 1)
+        outcome = supervisor.supervise(
+            command, flavour, all_ranks=config.all_ranks_output, output_dir=config.output_dir,
+            env=env, attempt=(attempt, attempts) if attempts > 1 else None, size=config.np,
+            merge_window=window)
+        if outcome.status == 0 or outcome.stopped_by is not None or attempt == attempts:
+            return outcome.status
+        if not outcome.progressed:
+            print(f"{PROG}: not restarting: attempt {attempt} failed before its first training "
+                  f"step was done (e.g. a SyntaxError, an ImportError or a bad argument), so "
+                  f"every restart would fail the same way. Fix the error above and run again.",
+                  file=sys.stderr, flush=True)
+            return outcome.status
+        cause = outcome.cause
+        why = (f"the job stalled: {cause.reason}" if cause and cause.stall else
+               f"rank {cause.rank}: {cause.reason}" if cause else f"exit status {outcome.status}")
+        print(f"{PROG}: restarting ({attempt} of {config.max_restarts} restarts used): "
+              f"attempt {attempt} failed ({why}); every process of it is gone.",
+              file=sys.stderr, flush=True)
+    return outcome.status
+
+
+def merge_window() -> Optional[float]:
+    """MGPU_MERGE_SECONDS: how long a stderr line waits for other ranks' copies (0: off)."""
+    value = os.environ.get("MGPU_MERGE_SECONDS")
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if seconds < 0:
+        raise UsageError(f"MGPU_MERGE_SECONDS={value!r}: expected a number of seconds >= 0 "
+                         f"(0 turns merging off), e.g. MGPU_MERGE_SECONDS=3")
+    return seconds
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -100,11 +100,20 @@ class OpenMPI(Environment):
 
 
 class MPICH(Environment):
-    """MPICH, Intel MPI and MVAPICH (the Hydra process manager's PMI variables)."""
+    """MPICH, Intel MPI and MVAPICH (the Hydra process manager's PMI variables).
+
+    Slurm's own ``srun --mpi=pmi2`` also sets PMI_RANK and PMI_SIZE (seen with Slurm 22.05),
+    but never Hydra's MPI_LOCALRANKID: PMI variables without it inside a Slurm job step are
+    Slurm's, and :class:`Slurm` reads that task's place.
+    """
 
     name = "mpich"
     RANK, SIZE = "PMI_RANK", "PMI_SIZE"
     LOCAL_RANK, LOCAL_SIZE = "MPI_LOCALRANKID", "MPI_LOCALNRANKS"
+
+    def is_active(self, environ: Mapping[str, str]) -> bool:
+        from_slurm = self.LOCAL_RANK not in environ and Slurm.STEP_ID in environ
+        return self.RANK in environ and not from_slurm
 
 
 class Slurm(Environment):

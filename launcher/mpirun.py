@@ -35,6 +35,8 @@ class Flavour:
     oversubscribe: Tuple[str, ...] = ()
     # Open MPI binds each rank to one core by default: fatal for input pipelines with threads.
     placement: Tuple[str, ...] = ()
+    # How a rank that lost a peer (killed, host gone) dies: see OPENMPI.
+    peer_loss: Tuple[str, ...] = ()
     # Parses one line of tagged output into (rank, stream, text); None for mpirun's own lines.
     tag_pattern: "re.Pattern[str]" = re.compile(r"^\[(\d+),(\d+)\]<(stdout|stderr)>: ?(.*)$")
 
@@ -48,6 +50,12 @@ OPENMPI = Flavour(
     as_root=("--allow-run-as-root",),
     oversubscribe=("--oversubscribe",),
     placement=("--bind-to", "none", "--map-by", "slot"),
+    # A rank SIGKILLed on one host makes the ranks connected to it fail at once ("Socket
+    # closed", MPI_ERRORS_ARE_FATAL), and mpirun reports only the first abnormal end: on the
+    # 2-node namespace cluster that was the bystander's abort in 3 runs of 4, so the summary had
+    # no root cause. Two seconds' delay before any MPI_Abort lets the killed rank's signal be
+    # reported first (3 of 3); a rank failing in Python has printed its traceback already.
+    peer_loss=("--mca", "mpi_abort_delay", "2"),
 )
 _HYDRA = dict(
     np="-n", hosts="-hosts", hostfile="-f",
@@ -147,6 +155,7 @@ def build_command(mpirun: str, flavour: Flavour, np: int, worker: Sequence[str],
     if hostfile:
         command += [flavour.hostfile, hostfile]
     command += flavour.placement
+    command += flavour.peer_loss
     command += flavour.tag_output
     command += flavour.forward_env(list(forward))
     command += list(extra)

@@ -16,6 +16,11 @@ from mgpu_launcher import devices, environments
 
 #: Prefix of the line a failing rank prints to stderr; the supervisor looks for it.
 FAILURE_MARKER = "mgpu-train: rank failure:"
+#: Prefix of the line rank 0 prints when the stall inspector ends the job (``[late rank] text``).
+STALL_MARKER = "mgpu-train: job stalled:"
+#: Printed once (rank 0, stderr) when the first training step is done and ``MGPU_PROGRESS_MARKER``
+#: is set: the supervisor then knows a failure of this attempt is worth a restart.
+PROGRESS_MARKER = "mgpu-train: first step done"
 
 
 def export_placement(placement: environments.Placement, environ=os.environ) -> None:
@@ -73,14 +78,17 @@ def describe_exception(error: BaseException, status: int) -> str:
     return f"{first} (exit code {status})"
 
 
-def abort_job(status: int, reason: str) -> None:
+def abort_job(status: int, reason: str, marker: str = FAILURE_MARKER,
+              rank: Optional[int] = None) -> None:
     """End this rank so the whole job ends: MPI_Abort when MPI is up, else exit hard.
 
-    First prints the failure marker line (the supervisor's root cause). MPI_Abort makes
-    mpirun kill every rank, including those blocked in a collective. Without MPI (the program
-    never called ``mgpu.init()``), mpirun ends the job on our non-zero exit.
+    First prints the marker line (the supervisor's root cause): `marker`, then ``[rank]`` when
+    the cause is another rank (the stall inspector names the late one), then `reason`. MPI_Abort
+    makes mpirun kill every rank, including those blocked in a collective. Without MPI (the
+    program never called ``mgpu.init()``), mpirun ends the job on our non-zero exit.
     """
-    print(f"{FAILURE_MARKER} {reason}", file=sys.stderr, flush=True)
+    about = f" [{rank}]" if rank is not None else ""
+    print(f"{marker}{about} {reason}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
     mpi = sys.modules.get("mpi4py.MPI")

@@ -8,10 +8,10 @@ launcher it starts nothing: every collective is then a copy, and costs nothing m
 
 import atexit
 import dataclasses
-import os
 import sys
-from typing import Any
+from typing import Any, Callable, List, Tuple
 
+from mgpu_launch import stall
 from mgpu_launcher import environments, worker
 
 
@@ -44,6 +44,16 @@ class State:
 
 state = State()
 
+#: (start(state), stop()) pairs run by init() after MPI is up and by shutdown() before it goes;
+#: the engines add theirs (mgpu_launch.engines), so this layer never imports them.
+_hooks: List[Tuple[Callable[[State], None], Callable[[], None]]] = []
+
+
+def add_hooks(start: Callable[[State], None], stop: Callable[[], None]) -> None:
+    """Run `start(state)` at the end of every ``init()`` and `stop()` at ``shutdown()``."""
+    if (start, stop) not in _hooks:
+        _hooks.append((start, stop))
+
 
 def _abort_on_uncaught(exc_type, exc, tb):
     """Print as python would, then abort the MPI job so no rank waits in a collective forever."""
@@ -73,11 +83,14 @@ def init() -> None:
 
     Works with no launcher at all (a 1-process job), under ``mgpu-train``, ``mpirun``/``mpiexec``
     and ``srun``. On more than one process it also sets up the Keras backend's engine
-    (mgpu_launch.engines), so call it at the top of the script, before building the model:
+    (mgpu_launch.engines, through its hook), so call it at the top of the script, before building the model:
     TensorFlow's collectives can only be enabled before TensorFlow creates any tensor.
     ``MGPU_ENGINE=none`` skips the engine (host collectives only, Keras never imported).
+    On more than one process it starts the stall inspector (mgpu_launch.stall; knobs
+    ``MGPU_STALL_WARNING_S``, ``MGPU_STALL_SHUTDOWN_S``, ``MGPU_STALL_INSPECTOR``).
 
     Raises:
+        ValueError: a ``MGPU_STALL_*`` variable is not a number of seconds.
         mgpu_launcher.environments.DetectionError: the launcher's variables are contradictory.
         RuntimeError: the environment and MPI disagree on the job's size or this rank.
 
@@ -106,9 +119,10 @@ def init() -> None:
         sys.excepthook = _abort_on_uncaught
     vars(state).update(vars(fresh))
     atexit.register(shutdown)
-    if state.size > 1 and os.environ.get("MGPU_ENGINE", "keras") != "none":
-        from mgpu_launch import engines
-        engines.get_engine().setup(state)
+    if state.size > 1:
+        stall.start(state)
+    for start, _ in _hooks:
+        start(state)
 
 
 def _mpi():
@@ -120,8 +134,9 @@ def shutdown() -> None:
     """Leave the job (runs at exit by itself). Idempotent; ``init()`` may be called again."""
     if not state.initialized:
         return
-    from mgpu_launch import engines
-    engines.reset()
+    for _, stop in reversed(_hooks):
+        stop()
+    stall.stop()
     if state.comm is not None and not _mpi().Is_finalized():
         state.comm.Free()
     if sys.excepthook is _abort_on_uncaught:

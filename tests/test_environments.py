@@ -86,3 +86,13 @@ def test_slurm_tasks_per_node(spec, expected):
 def test_slurm_tasks_per_node_bad(spec):
     with pytest.raises(DetectionError, match="SLURM_TASKS_PER_NODE"):
         expand_tasks_per_node(spec)
+
+
+def test_srun_pmi2_variables_are_slurms_not_mpichs():
+    # Task 1 of `srun -n 2 --mpi=pmi2 env` on Slurm 22.05 (scripts/slurm.sh), as printed there.
+    environ = {"PMI_FD": "13", "PMI_JOBID": "5.0", "PMI_RANK": "1", "PMI_SIZE": "2",
+               "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1",
+               "SLURM_STEP_ID": "0", "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "2"}
+    found = detect(environ)
+    assert (found.rank, found.size, found.local_rank, found.local_size, found.source) == \
+        (1, 2, 1, 2, "slurm")

@@ -1,5 +1,6 @@
 """Resume after a kill: a restarted job ends with the weights of an uninterrupted one."""
 
+import json
 import os
 
 import numpy as np
@@ -42,3 +43,99 @@ def test_killed_mid_epoch_then_restarted_equals_uninterrupted(tmp_path):
     for rank in range(2):
         for a, b in zip(got[rank], expected[0], strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def run_steps(backup, out, *kill):
+    return launch("-np", "2", os.path.join(SCRIPTS, "resume_steps.py"), str(backup), str(out),
+                  *kill, timeout=180, **ENV)
+
+
+def test_killed_mid_epoch_resumes_at_the_backed_up_batch(tmp_path):
+    for name in ("ref", "resumed"):
+        (tmp_path / name).mkdir()
+    reference = run_steps(tmp_path / "ref-backup", tmp_path / "ref")
+    assert reference.returncode == 0, explain(reference)
+
+    killed = run_steps(tmp_path / "backup", tmp_path / "resumed", "1", "4")
+    assert killed.returncode != 0
+    # Every 3 batches and every epoch end, newest 2 kept: epoch 1's batch-3 backup and
+    # epoch 0's end (the kill came after batch index 4, before the next backup at 6).
+    assert sorted(os.listdir(tmp_path / "backup")) == [
+        "epoch-1-batch-3.weights.h5", "epoch-1.weights.h5"], explain(killed)
+    partial = tmp_path / "backup" / ".epoch-1-batch-6.partial-99999.weights.h5"
+    partial.write_bytes(b"half a file")  # what a rank 0 killed mid-write leaves
+
+    resumed = run_steps(tmp_path / "backup", tmp_path / "resumed")
+    assert resumed.returncode == 0, explain(resumed)
+    assert "resuming at epoch 2, batch 4" in resumed.stdout
+    for rank in range(2):
+        info = json.loads((tmp_path / "resumed" / f"rank.{rank}.json").read_text())
+        assert info["iterations"] == 24  # 3 epochs x 8 batches, none run twice or skipped
+        assert info["steps"][0] == [1, 3] and len(info["steps"]) == 24 - 11
+    expected, got = weights(tmp_path / "ref"), weights(tmp_path / "resumed")
+    for rank in range(2):
+        for a, b in zip(got[rank], expected[0], strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_partial_files_of_a_killed_writer_are_removed_and_only_the_newest_kept(tmp_path):
+    import keras
+
+    import mgpu_launch as mgpu
+
+    backup = tmp_path / "backup"
+    backup.mkdir()
+    (backup / ".epoch-3-batch-2.partial-4242.weights.h5").write_bytes(b"half a file")
+    (backup / "notes.txt").write_text("not ours: left alone")
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x, y = np.ones((24, 3), "float32"), np.zeros((24, 2), "float32")
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[
+        mgpu.callbacks.BackupAndRestore(str(backup), save_freq=2, keep=2,
+                                        delete_checkpoint=False)])
+    # 6 batches: backups after batches 2 and 4 and at the epoch's end; the newest 2 stay.
+    assert sorted(os.listdir(backup)) == ["epoch-0-batch-4.weights.h5", "epoch-1.weights.h5",
+                                          "notes.txt"]
+
+
+@pytest.mark.parametrize("bad", [{"save_freq": 0}, {"save_freq": "batch"}, {"keep": 0}])
+def test_bad_arguments_say_what_is_expected(tmp_path, bad):
+    import mgpu_launch as mgpu
+
+    with pytest.raises(ValueError, match="expected"):
+        mgpu.callbacks.BackupAndRestore(str(tmp_path), **bad)
+
+
+def test_one_process_interrupted_mid_epoch_then_resumed_equals_uninterrupted(tmp_path):
+    import keras
+
+    import mgpu_launch as mgpu
+
+    rng = np.random.default_rng(5)
+    x, y = rng.normal(size=(48, 3)).astype("float32"), rng.normal(size=(48, 2)).astype("float32")
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            if (self.epoch, batch) == (1, 7):
+                raise KeyboardInterrupt("interrupted")
+
+    def train(*callbacks):
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+        model.fit(mgpu.data.shard((x, y), batch_size=4, shuffle=True, seed=2), epochs=2,
+                  shuffle=False, verbose=0, callbacks=list(callbacks))
+        return model
+
+    expected = train().get_weights()
+    backup = str(tmp_path / "backup")
+    with pytest.raises(KeyboardInterrupt):
+        train(mgpu.callbacks.BackupAndRestore(backup, save_freq=5), Interrupt())
+    assert os.listdir(backup) == ["epoch-1-batch-5.weights.h5"]
+    resumed = train(mgpu.callbacks.BackupAndRestore(backup, save_freq=5))
+    assert int(keras.ops.convert_to_numpy(resumed.optimizer.iterations)) == 24
+    for a, b in zip(resumed.get_weights(), expected, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

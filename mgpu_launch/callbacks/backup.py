@@ -1,78 +1,157 @@
-"""Resume after a crash: rank 0 keeps an atomic per-epoch backup; a restart restores every rank."""
+"""Resume after a crash: rank 0 keeps atomic backups (per epoch or every N steps); a restart
+restores every rank and continues at the backed-up epoch and batch."""
 
 import glob
 import os
 import re
 import shutil
+import warnings
+from typing import List, Tuple, Union
 
 import keras
 
-from mgpu_launch import collectives, engines, runtime
+from mgpu_launch import collectives, engines, keras_patches, runtime
 from mgpu_launch.callbacks.io import _is_chief, save_atomically
 from mgpu_launch.callbacks.sync import model_state_variables
 
-_BACKUP = re.compile(r"epoch-(\d+)\.weights\.h5$")
+# epoch-<epochs done>.weights.h5, or epoch-<epochs done>-batch-<batches done>.weights.h5
+_BACKUP = re.compile(r"^epoch-(\d+)(?:-batch-(\d+))?\.weights\.h5$")
+# What save_atomically leaves behind when its process is killed mid-write.
+_PARTIAL = re.compile(r"^\..*\.partial-\d+\.weights\.h5$")
 
 
 class BackupAndRestore(keras.callbacks.Callback):
-    """Back up the training state every epoch (rank 0) and resume from it after a restart.
+    """Back up the training state (rank 0) and resume from it after a restart.
 
-    At the end of every epoch rank 0 writes the model's and the optimizer's state to
-    ``backup_dir/epoch-<next epoch>.weights.h5`` — through a hidden file and a rename, so a
-    kill at any moment leaves the last complete backup — and removes the older one. When
-    ``fit`` starts and a backup exists, rank 0 reads it, every rank receives rank 0's values
-    (so the backup needs to be on rank 0's file system only), and training continues at the
-    epoch after the backed-up one. For a deterministic model this ends with exactly the weights
-    of an uninterrupted run; a job killed mid-epoch loses that epoch's work only.
+    Rank 0 writes the model's and the optimizer's state at the end of every epoch, and with an
+    integer `save_freq` also every `save_freq` batches, to
+    ``backup_dir/epoch-<E>[-batch-<B>].weights.h5`` (E epochs and B batches of the next one
+    done). Each write goes to a hidden file and is renamed into place, so a kill at any moment
+    leaves the last complete backup; only the newest `keep` backups are kept; hidden partial
+    files of a rank 0 killed mid-write are removed at the next start.
+
+    When ``fit`` starts and a backup exists, rank 0 reads it, every rank receives rank 0's
+    values (so the backup needs to be on rank 0's file system only), and training continues
+    at that epoch and batch: the data set is moved on to the backed-up epoch, the epoch's
+    first B batches are read and dropped, and callbacks see the interrupted run's batch
+    numbers. The resumed run then ends with exactly the weights of an uninterrupted one for a
+    deterministic model when the batches come in the interrupted run's order:
+
+    - ``mgpu.data.shard`` data (arrays or a PyDataset) with ``fit(..., shuffle=False)``: exact
+      on every backend; shard's own shuffling is seeded by the epoch number.
+    - another PyDataset: exact if its order depends only on how often ``on_epoch_end`` was
+      called (it is called E times before training resumes).
+    - numpy arrays with ``fit(shuffle=False)``: exact. With Keras's shuffling (``fit``'s
+      default ``shuffle=True``) or a ``tf.data`` dataset that reshuffles, the resumed run
+      cannot replay the order: the resumed epoch reads B batches fewer of a fresh order.
 
     Args:
-        backup_dir: a folder for the backups (created by rank 0).
+        backup_dir: a folder for the backups (created by rank 0); use it for nothing else.
+        save_freq: ``"epoch"``, or a number of batches: back up every that many batches and
+            at the end of every epoch.
+        keep: how many backups to keep (newest first); 2 or more leaves an older one to fall
+            back on if the newest cannot be read.
         delete_checkpoint: remove the folder when ``fit`` finishes normally.
 
     Example:
-        >>> model.fit(x, y, epochs=90,
-        ...           callbacks=[mgpu.callbacks.BackupAndRestore("/scratch/job-42/backup")])
+        >>> model.fit(mgpu.data.shard((x, y), 64, shuffle=True), epochs=90, shuffle=False,
+        ...           callbacks=[mgpu.callbacks.BackupAndRestore("/scratch/job-42/backup",
+        ...                                                      save_freq=500)])
     """
 
-    def __init__(self, backup_dir: str, delete_checkpoint: bool = True):
+    def __init__(self, backup_dir: str, save_freq: Union[str, int] = "epoch", keep: int = 1,
+                 delete_checkpoint: bool = True):
         super().__init__()
         if not backup_dir:
             raise ValueError("BackupAndRestore: backup_dir is empty; give a folder path")
-        self.backup_dir, self.delete_checkpoint = backup_dir, delete_checkpoint
+        if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int)
+                                     or save_freq < 1):
+            raise ValueError(f"BackupAndRestore: save_freq={save_freq!r}; expected 'epoch' or a "
+                             f"number of batches >= 1 (e.g. save_freq=500)")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"BackupAndRestore: keep={keep!r}; expected how many backups to "
+                             f"keep, an integer >= 1")
+        self.backup_dir, self.save_freq, self.keep = backup_dir, save_freq, keep
+        self.delete_checkpoint = delete_checkpoint
+        self._epoch = self._done_in_epoch = self._resumed_batches = 0
+        self._batches_since_save = 0
 
-    def _latest(self):
-        found = [(int(m.group(1)), path) for path in glob.glob(os.path.join(
-            glob.escape(self.backup_dir), "epoch-*.weights.h5"))
-            if (m := _BACKUP.search(os.path.basename(path)))]
-        return max(found) if found else (None, None)
+    def _backups(self) -> List[Tuple[Tuple[int, int], str]]:
+        """((epochs done, batches done), path) of every complete backup, newest first."""
+        found = []
+        for name in os.listdir(self.backup_dir) if os.path.isdir(self.backup_dir) else ():
+            if match := _BACKUP.match(name):
+                position = (int(match.group(1)), int(match.group(2) or 0))
+                found.append((position, os.path.join(self.backup_dir, name)))
+        return sorted(found, reverse=True)
+
+    def _remove_partial_files(self) -> None:
+        for path in glob.glob(os.path.join(glob.escape(self.backup_dir), ".*")):
+            if _PARTIAL.match(os.path.basename(path)):
+                os.remove(path)
+
+    def _restore_on_chief(self):
+        """Load the newest readable backup; its (epochs done, batches done), or None."""
+        self._remove_partial_files()
+        for position, path in self._backups():
+            try:
+                self.model.load_weights(path)
+                return position
+            except (OSError, ValueError) as error:
+                warnings.warn(f"BackupAndRestore: cannot read {path} ({error}); trying an "
+                              f"older backup", stacklevel=2)
+        return None
 
     def on_train_begin(self, logs=None):
         model = self.model
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)  # the slots the backup fills
-        epoch = None
-        if _is_chief():
-            epoch, path = self._latest()
-            if path is not None:
-                model.load_weights(path)
+        position = self._restore_on_chief() if _is_chief() else None
         if runtime.is_multi_process():
-            epoch = collectives.broadcast_object(epoch)
-            if epoch is not None:
+            position = collectives.broadcast_object(position)
+            if position is not None:
                 engines.get_engine().broadcast_variables(model_state_variables(model), 0)
-        if epoch is not None:
-            model._initial_epoch = epoch
-            if _is_chief():
-                print(f"BackupAndRestore: resuming at epoch {epoch + 1} from {self.backup_dir}")
+        self._batches_since_save = self._resumed_batches = 0
+        if position is None:
+            return
+        epochs, batches = position
+        model._initial_epoch, self._resumed_batches = epochs, batches
+        keras_patches.resume_at(epochs, batches)
+        if _is_chief():
+            where = f", batch {batches + 1}" if batches else ""
+            print(f"BackupAndRestore: resuming at epoch {epochs + 1}{where} from "
+                  f"{self.backup_dir}")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self._done_in_epoch, self._resumed_batches = self._resumed_batches, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.save_freq == "epoch":
+            return
+        done = batch + 1  # `batch` is an execution's last step (steps_per_execution > 1)
+        self._batches_since_save += done - self._done_in_epoch
+        self._done_in_epoch = done
+        steps = (self.params or {}).get("steps")
+        if self._batches_since_save < self.save_freq or (steps and done >= steps):
+            return  # the epoch's end saves its last batch, after the epoch's other callbacks
+        self._batches_since_save = 0
+        self._save((self._epoch, done))
 
     def on_epoch_end(self, epoch, logs=None):
+        self._batches_since_save = 0
+        self._save((epoch + 1, 0))
+
+    def _save(self, position: Tuple[int, int]) -> None:
         if not _is_chief():
             return
-        previous = self._latest()[1]
-        target = os.path.join(self.backup_dir, f"epoch-{epoch + 1}.weights.h5")
-        save_atomically(self.model, target, weights_only=True)
-        if previous and previous != target:
-            os.remove(previous)
+        epochs, batches = position
+        name = f"epoch-{epochs}" + (f"-batch-{batches}" if batches else "") + ".weights.h5"
+        save_atomically(self.model, os.path.join(self.backup_dir, name), weights_only=True)
+        for _, old in self._backups()[self.keep:]:
+            os.remove(old)
 
     def on_train_end(self, logs=None):
+        keras_patches.resume_at(0, 0)  # a restore whose fit never reached an epoch
         if self.delete_checkpoint and _is_chief():
             shutil.rmtree(self.backup_dir, ignore_errors=True)

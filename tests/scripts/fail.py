@@ -1,4 +1,8 @@
-"""Test worker: rank `fail_rank` fails in the way asked while the others wait in a collective."""
+"""Test worker: rank `fail_rank` fails in the way asked while the others wait in a collective.
+
+    fail.py raise|exit|signal RANK [TIME_FILE]   TIME_FILE: gets time.time() just before failing
+    fail.py hang RANK PID_PREFIX                 every rank writes PID_PREFIX.<rank>, then sleeps
+"""
 
 import os
 import signal
@@ -12,6 +16,9 @@ mgpu.init()
 mgpu.barrier()
 if mgpu.rank() == fail_rank:
     time.sleep(0.5)
+    if how != "hang" and len(sys.argv) > 3:  # when it failed, for the tests that time the end
+        with open(sys.argv[3], "w") as f:
+            f.write(repr(time.time()))
     if how == "raise":
         raise RuntimeError(f"boom on purpose from rank {mgpu.rank()}")
     if how == "exit":

@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import sys
 
 import numpy as np
@@ -12,7 +13,7 @@ out_dir = sys.argv[1]
 mgpu.init()
 rank = mgpu.rank()
 result = {
-    "argv": sys.argv[1:], "name": __name__, "rank": rank, "size": mgpu.size(),
+    "argv": sys.argv[1:], "host": socket.gethostname(), "name": __name__, "rank": rank, "size": mgpu.size(),
     "local_rank": mgpu.local_rank(), "local_size": mgpu.local_size(),
     "cross_rank": mgpu.cross_rank(), "cross_size": mgpu.cross_size(), "chief": mgpu.is_chief(),
     "env": {k: v for k, v in os.environ.items() if k.startswith("MGPU_")},

@@ -2,8 +2,10 @@
 
     mgpu-train -np 2 resume.py BACKUP_DIR OUT_DIR [KILL_EPOCH]
 
-With KILL_EPOCH, rank 1 SIGKILLs itself at batch 2 of that epoch (0-based). Writes rank.N.npz
-with the final weights when training finishes.
+With KILL_EPOCH, rank 1 SIGKILLs itself at batch 2 of that epoch (0-based), in the first
+attempt only (under mgpu-train --max-restarts, MGPU_RESTART_COUNT=0). With RESUME_SAVE_FREQ=N,
+the backup is written every N steps (BackupAndRestore(save_freq=N), step-level backup).
+Writes rank.N.npz with the final weights when training finishes.
 """
 
 import os
@@ -19,6 +21,10 @@ import keras  # noqa: E402
 
 backup_dir, out = sys.argv[1], sys.argv[2]
 kill_epoch = int(sys.argv[3]) if len(sys.argv) > 3 else None
+if os.environ.get("MGPU_RESTART_COUNT", "0") != "0":
+    kill_epoch = None  # a restart: the fault happened already
+save_freq = os.environ.get("RESUME_SAVE_FREQ")
+backup_options = {"save_freq": int(save_freq)} if save_freq else {}
 rng = np.random.default_rng(mgpu.rank())
 x = rng.normal(size=(32, 5)).astype("float32")
 y = rng.integers(0, 3, size=32)
@@ -39,5 +45,5 @@ class Killer(keras.callbacks.Callback):
 
 
 model.fit(x, y, batch_size=4, epochs=4, shuffle=False, verbose=0,
-          callbacks=[mgpu.callbacks.BackupAndRestore(backup_dir), Killer()])
+          callbacks=[mgpu.callbacks.BackupAndRestore(backup_dir, **backup_options), Killer()])
 np.savez(os.path.join(out, f"rank.{mgpu.rank()}.npz"), *model.get_weights())

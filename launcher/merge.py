@@ -1,0 +1,119 @@
+"""Noise once: the same stderr line from several ranks, shown once with the ranks' tags.
+
+Every rank of a job imports the same framework and prints the same start-up lines (TF's oneDNN
+notice, absl's "All log messages before absl::InitializeLog()", JAX / gloo connection lines):
+at 8 ranks, 8 copies. :class:`LineMerger` holds each stderr line for a short window; when
+other ranks print the same line (up to the time and process id of a glog prefix), it is
+printed once as ``[0-7] text``. A line the other ranks do not repeat in time is printed with
+the ranks that did.
+
+Never merged, never held: anything that looks like an error (a traceback and whatever follows
+it on that rank, glog E/F lines, lines naming an Error or Exception, the launcher's failure
+marker). Before such a line, everything its rank has pending is printed first, so a rank's
+lines keep their order. Lines of different ranks keep the order in which they were first seen.
+"""
+
+import re
+import threading
+import time
+from typing import Callable, List, Optional
+
+#: how long a line waits for the other ranks' copies (MGPU_MERGE_SECONDS overrides)
+DEFAULT_WINDOW = 3.0
+# glog's prefix: severity, date, time, thread id. Only "I file:line]" is kept for comparison.
+_GLOG = re.compile(r"^([IWEF])\d{4} [\d:.]+\s+\d+ ")
+_ERRORISH = re.compile(r"Traceback \(most recent call last\)|Error\b|Error:|Exception\b|"
+                       r"^[EF]\d{4} |^\s+File \"|mgpu-train: rank failure|FATAL|Fatal")
+
+
+def ranks_tag(ranks: List[int]) -> str:
+    """``[0-3]``, ``[0,2]``, ``[0-2,5]``: sorted ranks, runs of consecutive ranks as ranges."""
+    ranks = sorted(set(ranks))
+    parts, start = [], None
+    for index, rank in enumerate(ranks):
+        if start is None:
+            start = rank
+        if index + 1 == len(ranks) or ranks[index + 1] != rank + 1:
+            parts.append(str(start) if start == rank else f"{start}-{rank}")
+            start = None
+    return "[" + ",".join(parts) + "]"
+
+
+def normalize(text: str) -> str:
+    """The part of a line that is the same on every rank (glog: without time and thread id)."""
+    return _GLOG.sub(r"\1 ", text)
+
+
+def is_errorish(text: str) -> bool:
+    return bool(_ERRORISH.search(text))
+
+
+class _Pending:
+    __slots__ = ("key", "text", "ranks", "since")
+
+    def __init__(self, key: str, text: str, rank: int, since: float):
+        self.key, self.text, self.ranks, self.since = key, text, [rank], since
+
+
+class LineMerger:
+    """Merges identical stderr lines of several ranks; calls `emit(tag, text)` to print.
+
+    Args:
+        emit: prints one line: ``emit("[0-3]", "text")``.
+        size: number of ranks (a line all of them printed goes out at once); None: unknown,
+            lines wait for the window.
+        window: seconds a line waits for copies from other ranks.
+        clock: time source (tests).
+    """
+
+    def __init__(self, emit: Callable[[str, str], None], size: Optional[int] = None,
+                 window: float = DEFAULT_WINDOW, clock: Callable[[], float] = time.monotonic):
+        self.emit, self.size, self.window, self.clock = emit, size, window, clock
+        self.queue: List[_Pending] = []
+        self.tracing = set()  # ranks that printed a traceback: pass everything through
+        self.lock = threading.RLock()
+
+    def line(self, rank: int, text: str) -> None:
+        with self.lock:
+            if rank in self.tracing or is_errorish(text):
+                if "Traceback (most recent call last)" in text:
+                    self.tracing.add(rank)
+                self._flush_rank(rank)
+                self.emit(f"[{rank}]", text)
+                return
+            key = normalize(text)
+            for pending in self.queue:
+                if pending.key == key and rank not in pending.ranks:
+                    pending.ranks.append(rank)
+                    break
+            else:
+                self.queue.append(_Pending(key, text, rank, self.clock()))
+            self._release()
+
+    def tick(self) -> None:
+        """Print what waited long enough (call periodically)."""
+        with self.lock:
+            self._release()
+
+    def flush(self) -> None:
+        """Print everything still held (at the end of the job)."""
+        with self.lock:
+            while self.queue:
+                self._pop()
+
+    def _release(self) -> None:
+        now = self.clock()
+        while self.queue and (len(self.queue[0].ranks) == self.size
+                              or now - self.queue[0].since >= self.window):
+            self._pop()
+
+    def _flush_rank(self, rank: int) -> None:
+        last = max((i for i, p in enumerate(self.queue) if rank in p.ranks), default=-1)
+        for _ in range(last + 1):
+            self._pop()
+
+    def _pop(self) -> None:
+        pending = self.queue.pop(0)
+        # One rank: its line as printed; several: the part they share.
+        self.emit(ranks_tag(pending.ranks),
+                  pending.text if len(pending.ranks) == 1 else pending.key)

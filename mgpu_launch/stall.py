@@ -1,0 +1,356 @@
+"""Stall inspector: rank 0 notices when ranks stop meeting, says who and where, and may end the job.
+
+A collective waits forever for a rank that never comes (MPI, NCCL, gloo and TensorFlow's ring
+have no timeout), so one rank stuck in user code — a dead NFS read, a deadlocked loader, a
+different code path — hangs the whole job silently. Like Horovod's stall inspector, every rank
+records where it is in the training step protocol (:func:`mark`, called by the probes that
+``mgpu_launch.stall_probes`` adds to ``fit``), and a side channel that does not need the MPI
+communicator to be free carries that position to rank 0:
+
+* rank 0 listens on a TCP port of its host (the host the runtime's rendezvous uses) and MPI
+  shares the address once, at ``mgpu.init()``;
+* every other rank runs a daemon thread that sends its position when it changed, at most every
+  :data:`REPORT_INTERVAL_S` seconds (one short JSON line);
+* rank 0's monitor thread compares the positions. When the ranks are at different places and no
+  rank has moved for ``MGPU_STALL_WARNING_S`` seconds (default 60), it prints one warning::
+
+      mgpu: stall: rank 1 has not entered step 6 for 60 s (last seen in on_train_batch_end of
+      step 5); rank 0 is waiting in step 6's gradient allreduce
+
+  and asks the late ranks to print their Python stacks (``faulthandler``) to their stderr.
+  With ``MGPU_STALL_SHUTDOWN_S`` set, a stall that lasts that long ends the job (MPI_Abort)
+  with that text as the root cause of ``mgpu-train``'s failure summary.
+
+Ranks that are all at the same place (one long step, a long first compilation) are never a
+stall. ``MGPU_STALL_INSPECTOR=0`` turns the inspector off (it must then be off on every rank).
+Recording a position is one comparison and one tuple assignment; nothing else runs on the
+training thread.
+"""
+
+import faulthandler
+import json
+import os
+import selectors
+import socket
+import sys
+import threading
+import time
+from typing import Dict, List, Optional, Tuple
+
+from mgpu_launch import rendezvous
+from mgpu_launcher import worker
+
+#: seconds between two position reports of a rank (and between two checks on rank 0)
+REPORT_INTERVAL_S = 0.5
+
+# Where a rank is, in the order it passes through step k (steps count from 1, per process,
+# across fit calls): each phase is a step further than the one before.
+STARTED = 0          # step 0 only: before the first training step
+BATCH_BEGIN = 1      # in the on_train_batch_begin callbacks of step k
+TRAIN_STEP = 2       # in step k's compiled train step (its gradient allreduce)
+BATCH_END = 3        # in the on_train_batch_end callbacks of step k
+AFTER_STEP = 4       # step k done: fetching the next batch
+VALIDATION = 5       # validating after step k (end of an epoch)
+EPOCH_END = 6        # in on_epoch_end after step k
+FIT_END = 7          # fit returned after step k
+FIT_BEGIN = 8        # in on_train_begin of a fit that starts after step k (its checks, restores)
+
+Position = Tuple[int, int, str]  # (step, phase, detail: e.g. "epoch 2")
+
+_position: Position = (0, STARTED, "")
+_inspector = None  # the running Reporter or Monitor, if any
+
+
+def mark(step: int, phase: int, detail: str = "") -> None:
+    """Record that this rank reached `phase` of `step` (never moves backwards).
+
+    Called from the training thread by the fit probes, and from Keras's callback thread when it
+    dispatches batch-end callbacks asynchronously (JAX, torch); a late, older report is
+    dropped. No lock, on purpose (this runs four times per step): two threads racing can at
+    worst leave the older of two positions of the same moment until the next mark.
+    """
+    global _position
+    current = _position
+    if step > current[0] or (step == current[0] and phase >= current[1]):
+        _position = (step, phase, detail)
+
+
+def position() -> Position:
+    """This rank's last recorded position."""
+    return _position
+
+
+def describe(where: Position) -> str:
+    """A position in words, e.g. ``on_train_batch_end of step 5``."""
+    step, phase, detail = where
+    text = {
+        STARTED: "the program before its first training step",
+        BATCH_BEGIN: f"on_train_batch_begin of step {step}",
+        TRAIN_STEP: f"step {step}'s train step",
+        BATCH_END: f"on_train_batch_end of step {step}",
+        AFTER_STEP: f"fetching the batch after step {step}",
+        VALIDATION: f"validation after step {step}",
+        EPOCH_END: f"on_epoch_end after step {step}",
+        FIT_END: f"the program after fit (last step {step})",
+        FIT_BEGIN: f"on_train_begin of fit (after step {step})" if step else
+                   "on_train_begin of fit",
+    }.get(phase, f"phase {phase} of step {step}")
+    return f"{text} ({detail})" if detail else text
+
+
+def _goal(where: Position) -> str:
+    """What a late rank has not done yet, when others wait at `where`."""
+    step, phase, _ = where
+    if phase in (BATCH_BEGIN, TRAIN_STEP):
+        return f"entered step {step}"
+    return f"reached {describe(where)}"
+
+
+def _waiting_in(where: Position) -> str:
+    step, phase, _ = where
+    if phase == TRAIN_STEP:
+        return f"waiting in step {step}'s gradient allreduce"
+    if phase in (EPOCH_END, FIT_BEGIN):  # where ranks meet in host collectives
+        return f"waiting in {describe(where)}"
+    return f"in {describe(where)}"
+
+
+def _ranks(ranks: List[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def stall_report(positions: Dict[int, Position], seconds: float) -> Optional[Tuple[List[int], str]]:
+    """The late ranks and the warning's text, or None when every rank is at the same place.
+
+    Args:
+        positions: rank -> its last position.
+        seconds: how long no rank has moved.
+
+    Returns:
+        (late ranks, text), e.g. ``([1], "rank 1 has not entered step 6 for 60 s (last seen in
+        on_train_batch_end of step 5); rank 0 is waiting in step 6's gradient allreduce")``.
+    """
+    keys = {rank: where[:2] for rank, where in positions.items()}
+    if len(set(keys.values())) < 2:
+        return None
+    lowest, highest = min(keys.values()), max(keys.values())
+    late = sorted(rank for rank, key in keys.items() if key == lowest)
+    ahead = [rank for rank, key in keys.items() if key == highest]
+    where_late = {describe(positions[rank]) for rank in late}
+    verb = "has" if len(late) == 1 else "have"
+    text = (f"{_ranks(late)} {verb} not {_goal(positions[ahead[0]])} for {seconds:.0f} s "
+            f"(last seen in {'; '.join(sorted(where_late))})")
+    groups: Dict[str, List[int]] = {}
+    for rank in sorted(positions):
+        if rank not in late:
+            groups.setdefault(_waiting_in(positions[rank]), []).append(rank)
+    for where, ranks in groups.items():
+        text += f"; {_ranks(ranks)} {'is' if len(ranks) == 1 else 'are'} {where}"
+    return late, text
+
+
+def _seconds(name: str, default: Optional[float]) -> Optional[float]:
+    raw = os.environ.get(name, "").strip()
+    if raw == "" or raw.lower() in ("off", "none"):
+        return default if raw == "" else None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r}: expected a number of seconds > 0 (or 'off'), "
+                         f"e.g. {name}=60")
+    return value
+
+
+def settings() -> Tuple[bool, Optional[float], Optional[float]]:
+    """(enabled, warning seconds, shutdown seconds) from the environment.
+
+    Raises:
+        ValueError: a variable is set to something that is not a positive number.
+    """
+    enabled = os.environ.get("MGPU_STALL_INSPECTOR", "1").strip().lower() not in ("0", "off",
+                                                                                  "false", "no")
+    return enabled, _seconds("MGPU_STALL_WARNING_S", 60.0), _seconds("MGPU_STALL_SHUTDOWN_S", None)
+
+
+def _send_line(sock: socket.socket, message: dict) -> None:
+    sock.sendall((json.dumps(message) + "\n").encode())
+
+
+class Reporter(threading.Thread):
+    """A non-zero rank's side of the channel: sends its position, answers stack requests."""
+
+    def __init__(self, rank: int, sock: socket.socket):
+        super().__init__(name="mgpu-stall-reporter", daemon=True)
+        self.rank, self.sock, self.stopped = rank, sock, threading.Event()
+
+    def run(self) -> None:
+        sent = None
+        selector = selectors.DefaultSelector()
+        selector.register(self.sock, selectors.EVENT_READ)
+        try:
+            while not self.stopped.is_set():
+                where = _position
+                if where != sent:
+                    _send_line(self.sock, {"rank": self.rank, "position": list(where)})
+                    sent = where
+                if selector.select(REPORT_INTERVAL_S):
+                    request = self.sock.recv(4096)
+                    if not request:
+                        return  # rank 0 went away: the job is ending
+                    if b"stacks" in request:
+                        print(f"mgpu: stall: rank {self.rank}'s Python stacks (asked by rank 0):",
+                              file=sys.stderr, flush=True)
+                        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        except OSError:
+            return
+        finally:
+            selector.close()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class Monitor(threading.Thread):
+    """Rank 0's side: collects the positions, warns about a stall, and may end the job."""
+
+    def __init__(self, size: int, listener: socket.socket, warning_s: float,
+                 shutdown_s: Optional[float]):
+        super().__init__(name="mgpu-stall-monitor", daemon=True)
+        self.size, self.listener = size, listener
+        self.warning_s, self.shutdown_s = warning_s, shutdown_s
+        self.positions: Dict[int, Position] = {0: _position}
+        self.connections: Dict[int, socket.socket] = {}
+        self.stopped = threading.Event()
+        self.warned_at: Optional[float] = None
+
+    def run(self) -> None:
+        selector = selectors.DefaultSelector()
+        selector.register(self.listener, selectors.EVENT_READ, None)
+        buffers: Dict[socket.socket, bytes] = {}
+        last_move = time.monotonic()
+        try:
+            while not self.stopped.is_set():
+                for key, _ in selector.select(REPORT_INTERVAL_S):
+                    if key.fileobj is self.listener:
+                        connection, _ = self.listener.accept()
+                        selector.register(connection, selectors.EVENT_READ, "rank")
+                        buffers[connection] = b""
+                        continue
+                    data = key.fileobj.recv(65536)
+                    if not data:
+                        selector.unregister(key.fileobj)
+                        continue
+                    buffers[key.fileobj] += data
+                    *lines, buffers[key.fileobj] = buffers[key.fileobj].split(b"\n")
+                    for line in lines:
+                        message = json.loads(line)
+                        rank, where = message["rank"], tuple(message["position"])
+                        self.connections[rank] = key.fileobj
+                        if self.positions.get(rank) != where:
+                            self.positions[rank] = where
+                            last_move = time.monotonic()
+                if self.positions[0] != _position:
+                    self.positions[0] = _position
+                    last_move = time.monotonic()
+                self.check(time.monotonic() - last_move)
+        except (OSError, ValueError) as error:
+            if not self.stopped.is_set():  # (stop() closes the sockets under the selector)
+                print(f"mgpu: stall inspector stopped: {type(error).__name__}: {error}",
+                      file=sys.stderr, flush=True)
+        finally:
+            selector.close()
+
+    def check(self, still_for: float) -> None:
+        if still_for < self.warning_s and (self.shutdown_s is None or still_for < self.shutdown_s):
+            if self.warned_at is not None:
+                print(f"mgpu: stall: over, the ranks moved on after {self.warned_at:.0f} s "
+                      f"or more", file=sys.stderr, flush=True)
+                self.warned_at = None
+            return
+        report = stall_report(dict(self.positions), still_for)
+        if report is None:
+            return
+        late, text = report
+        shutting_down = self.shutdown_s is not None and still_for >= self.shutdown_s
+        if self.warned_at is None:
+            self.warned_at = still_for
+            print(f"mgpu: stall: {text}", file=sys.stderr, flush=True)
+            self.ask_for_stacks(late)
+            if shutting_down:
+                time.sleep(1.0)  # let the late ranks print their stacks before the abort
+        if shutting_down:
+            worker.abort_job(1, f"{text} (MGPU_STALL_SHUTDOWN_S={self.shutdown_s:g})",
+                             marker=worker.STALL_MARKER, rank=late[0])
+
+    def ask_for_stacks(self, ranks: List[int]) -> None:
+        for rank in ranks:
+            connection = self.connections.get(rank)
+            if connection is not None:
+                try:
+                    connection.sendall(b"stacks\n")
+                except OSError:
+                    pass
+        if 0 in ranks:
+            print("mgpu: stall: rank 0's Python stacks:", file=sys.stderr, flush=True)
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        for sock in [self.listener, *self.connections.values()]:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+
+def start(state) -> None:
+    """Start the inspector of a multi-process job (runtime hook of ``mgpu.init()``).
+
+    Collective: every rank calls it, after MPI is up. An unreachable rank 0 only turns the
+    inspector off on that rank, with a warning; it never fails the job.
+
+    Raises:
+        ValueError: ``MGPU_STALL_WARNING_S`` / ``MGPU_STALL_SHUTDOWN_S`` are not numbers > 0.
+    """
+    global _inspector, _position
+    enabled, warning_s, shutdown_s = settings()
+    if not enabled or state.size < 2 or _inspector is not None:
+        return
+    _position = (0, STARTED, "")
+    listener = address = None
+    if state.rank == 0:
+        listener = socket.create_server(("", 0), backlog=state.size)
+        address = f"{rendezvous.host_address()}:{listener.getsockname()[1]}"
+    address = state.comm.bcast(address, root=0)
+    if state.rank == 0:
+        _inspector = Monitor(state.size, listener, warning_s or float("inf"), shutdown_s)
+    else:
+        host, _, port = address.rpartition(":")
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            sock.settimeout(None)
+        except OSError as error:
+            print(f"mgpu: warning: the stall inspector is off on rank {state.rank}: it cannot "
+                  f"reach rank 0 at {address} ({error}).", file=sys.stderr, flush=True)
+            return
+        _inspector = Reporter(state.rank, sock)
+    _inspector.start()
+
+
+def stop() -> None:
+    """Stop this rank's inspector thread (runtime hook of ``mgpu.shutdown()``)."""
+    global _inspector
+    if _inspector is not None:
+        _inspector.stop()
+        _inspector = None
+
+
+def active() -> bool:
+    """Whether this rank's inspector runs (positions are then worth recording)."""
+    return _inspector is not None

@@ -1,0 +1,19 @@
+"""Functions for tests/test_run.py to start with mgpu_launch.run (importable by the ranks)."""
+
+import os
+
+
+def rank_and_size(offset, scale=1):
+    import mgpu_launch as mgpu
+    mgpu.init()
+    return {"rank": mgpu.rank(), "size": mgpu.size(), "value": (offset + mgpu.rank()) * scale,
+            "pid": os.getpid()}
+
+
+def fail_on_rank_one():
+    import mgpu_launch as mgpu
+    mgpu.init()
+    if mgpu.rank() == 1:
+        raise KeyError("no such shard on rank 1")
+    mgpu.barrier()  # rank 0 would wait here forever if the failure did not end the job
+    return "unreachable"

@@ -1,0 +1,135 @@
+"""Noise once: identical stderr lines of several ranks are shown once, tagged with the ranks.
+
+The merger is tested in-process with a fake clock; a 4-rank run of examples/keras_digits.py
+checks the real start-up lines of TensorFlow (the suite's first backend).
+"""
+
+import io
+import os
+import re
+
+import pytest
+
+from conftest import explain, launch, requires_mpirun
+from mgpu_launcher import merge, mpirun, supervisor
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def merger(size=4, window=3.0):
+    printed, clock = [], Clock()
+    return merge.LineMerger(lambda tag, text: printed.append(f"{tag} {text}"), size=size,
+                            window=window, clock=clock), printed, clock
+
+
+def test_rank_tags_compress_runs():
+    assert merge.ranks_tag([3, 0, 1, 2]) == "[0-3]"
+    assert merge.ranks_tag([0, 2]) == "[0,2]"
+    assert merge.ranks_tag([5, 0, 1, 2]) == "[0-2,5]"
+    assert merge.ranks_tag([1]) == "[1]"
+
+
+def test_a_line_every_rank_prints_goes_out_once_without_waiting():
+    lines, printed, _ = merger()
+    for rank in (2, 0, 3):
+        lines.line(rank, "WARNING: All log messages before absl::InitializeLog()")
+    assert printed == []
+    lines.line(1, "WARNING: All log messages before absl::InitializeLog()")
+    assert printed == ["[0-3] WARNING: All log messages before absl::InitializeLog()"]
+
+
+def test_glog_time_and_thread_do_not_make_lines_different():
+    lines, printed, _ = merger(size=2)
+    lines.line(0, "I0000 00:00:1795418060.86 28350 port.cc:153] oneDNN custom operations")
+    lines.line(1, "I0000 00:00:1795418061.01 28351 port.cc:153] oneDNN custom operations")
+    assert printed == ["[0-1] I port.cc:153] oneDNN custom operations"]
+
+
+def test_a_warning_of_one_rank_is_shown_with_its_rank_after_the_window():
+    lines, printed, clock = merger()
+    lines.line(2, "UserWarning: shard 2 is smaller")
+    clock.now = 2.9
+    lines.tick()
+    assert printed == []
+    clock.now = 3.0
+    lines.tick()
+    assert printed == ["[2] UserWarning: shard 2 is smaller"]
+
+
+def test_lines_keep_the_order_they_were_first_seen_in():
+    lines, printed, clock = merger(size=2)
+    lines.line(0, "first")
+    lines.line(0, "second")
+    lines.line(1, "second")  # complete, but waits behind "first"
+    assert printed == []
+    clock.now = 5
+    lines.tick()
+    assert printed == ["[0] first", "[0-1] second"]
+
+
+def test_tracebacks_and_errors_are_never_merged_nor_held():
+    lines, printed, _ = merger(size=2)
+    lines.line(0, "noise")  # held; must come out before rank 0's traceback
+    for rank in (0, 1):
+        lines.line(rank, "Traceback (most recent call last):")
+        lines.line(rank, '  File "train.py", line 3, in <module>')
+        lines.line(rank, "    main()")  # not error-like itself: passes as part of a traceback
+        lines.line(rank, "ValueError: bad shard")
+    assert printed == ["[0] noise", "[0] Traceback (most recent call last):",
+                       '[0]   File "train.py", line 3, in <module>', "[0]     main()",
+                       "[0] ValueError: bad shard", "[1] Traceback (most recent call last):",
+                       '[1]   File "train.py", line 3, in <module>', "[1]     main()",
+                       "[1] ValueError: bad shard"]
+    lines.line(0, "E0000 00:00:1.0 1 op.cc:1] device lost")
+    assert printed[-1] == "[0] E0000 00:00:1.0 1 op.cc:1] device lost"
+
+
+def relay_lines(all_ranks):
+    out, err = io.StringIO(), io.StringIO()
+    relay = supervisor.OutputRelay(mpirun.OPENMPI, all_ranks, None, out, err, size=2)
+    for rank in (0, 1):
+        relay.line(f"[1,{rank}]<stderr>: same start-up line", "stderr")
+    relay.flush()
+    return err.getvalue().splitlines()
+
+
+def test_all_ranks_output_shows_every_copy():
+    assert relay_lines(all_ranks=False) == ["[0-1] same start-up line"]
+    assert relay_lines(all_ranks=True) == ["[0] same start-up line", "[1] same start-up line"]
+
+
+def test_a_failure_marker_behind_stray_bytes_is_still_the_root_cause():
+    # CI, 1 raised fault in 20: "[1] \ufffdmgpu-train: rank failure: ..." gave "root cause: unknown".
+    out, err = io.StringIO(), io.StringIO()
+    relay = supervisor.OutputRelay(mpirun.OPENMPI, False, None, out, err, size=2)
+    relay.line("[1,1]<stderr>: \ufffdmgpu-train: rank failure: RuntimeError: boom (exit code 1)",
+               "stderr")
+    relay.flush()
+    assert relay.root_cause() == supervisor.Failure(1, "RuntimeError: boom (exit code 1)")
+    assert "rank 1 failed first: RuntimeError: boom" in relay.summary(1)
+
+
+@requires_mpirun
+def test_four_ranks_of_the_digits_example_print_tensorflows_start_up_lines_once(tmp_path):
+    pytest.importorskip("tensorflow")
+    # A wide window: four TF imports on two loaded CI cores can be seconds apart.
+    result = launch("-np", "4", "examples/keras_digits.py", "--epochs", "1", "--checkpoint",
+                    str(tmp_path / "digits.keras"), timeout=400, KERAS_BACKEND="tensorflow",
+                    MGPU_MERGE_SECONDS="15")
+    assert result.returncode == 0, explain(result)
+    lines = result.stderr.splitlines()
+    start_up = [line for line in lines if "InitializeLog" in line or "oneDNN" in line]
+    assert start_up, explain(result)
+    assert all(line.startswith("[0-3] ") for line in start_up), explain(result)
+    texts = [re.sub(r"^\[[0-9,\-]+\] ", "", line) for line in lines]
+    repeated = {text for text in texts if texts.count(text) > 1}
+    # TF prints its two start-up lines twice per process (two libraries load absl): once per
+    # load, tagged [0-3], is what must be left.
+    assert all(texts.count(t) <= 2 for t in repeated), explain(result)
+    assert "final validation accuracy" in result.stdout
