@@ -15,12 +15,16 @@ from mgpu_launch.runtime import (NotInitializedError, cross_rank, cross_size, in
                                  is_chief, is_initialized, local_rank, local_size, rank,
                                  shutdown, size)
 
+# Importing the engine package (no framework yet) adds its set-up to init() and shutdown().
+from mgpu_launch import engines as _engines  # noqa: E402,F401  isort: skip
+
 # The Keras-facing parts import keras (and with it the backend); load them on first use so
 # that `import mgpu_launch` and the host collectives stay light.
 _LAZY = {
     "DistributedOptimizer": "mgpu_launch.optimizer", "scale_lr": "mgpu_launch.optimizer",
     "load_model": "mgpu_launch.optimizer", "Compression": "mgpu_launch.compression",
     "callbacks": "mgpu_launch.callbacks", "data": "mgpu_launch.data",
+    "run": "mgpu_launch.launch", "RemoteError": "mgpu_launch.launch",
 }
 
 
@@ -37,5 +41,5 @@ __all__ = [
     "local_size", "cross_rank", "cross_size", "is_chief", "allreduce", "allgather",
     "allgather_object", "broadcast", "broadcast_object", "barrier", "ReduceOp", "Average",
     "Sum", "Min", "Max", "MismatchError", "NotInitializedError", "DistributedOptimizer",
-    "scale_lr", "load_model", "Compression", "callbacks", "data",
+    "scale_lr", "load_model", "Compression", "callbacks", "data", "run", "RemoteError",
 ]

@@ -13,7 +13,7 @@ Validation data sharded the same way gives, after ``MetricAverageCallback``, the
 the evaluated samples (all but the dropped remainder); for the exact whole-set figure evaluate
 on rank 0 alone.
 
-Device prefetch (:class:`Prefetcher`): on the JAX and torch backends, once a
+Device prefetch (:class:`mgpu_launch.prefetch.Prefetcher`): on the JAX and torch backends, once a
 ``DistributedOptimizer`` exists, ``fit`` / ``evaluate`` / ``predict`` take their batches from a
 background thread that produces them (slicing, shuffling, your PyDataset's ``__getitem__``)
 and copies them to the device ``MGPU_PREFETCH`` (default 2 on GPU, off on CPU) batches ahead
@@ -22,15 +22,14 @@ of the step, so the host work overlaps the device's. ``MGPU_PREFETCH=0`` turns i
 TensorFlow is left alone: tf.data already prefetches in its own threads.
 """
 
-import os
-import queue
-import threading
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Optional
 
 import keras
 import numpy as np
 
 from mgpu_launch import collectives, runtime
+# Re-exported: the prefetcher lived here before it moved below the engines.
+from mgpu_launch.prefetch import Prefetcher, prefetch_depth  # noqa: F401
 
 
 def _placement():
@@ -87,6 +86,11 @@ class ShardedArrays(keras.utils.PyDataset):
         self.epoch += 1
         self._indices = self._epoch_indices()
 
+    def skip_epochs(self, count: int) -> None:
+        """Jump `count` epochs ahead (a resumed job): the order is seeded by the epoch number."""
+        self.epoch += count
+        self._indices = self._epoch_indices()
+
 
 class ShardedPyDataset(keras.utils.PyDataset):
     """Every ``size``-th batch of a PyDataset, starting at this rank's index.
@@ -115,6 +119,11 @@ class ShardedPyDataset(keras.utils.PyDataset):
 
     def on_epoch_end(self):
         self.dataset.on_epoch_end()
+
+    def skip_epochs(self, count: int) -> None:
+        """Replay `count` epoch ends of the wrapped PyDataset (a resumed job)."""
+        for _ in range(count):
+            self.dataset.on_epoch_end()
 
 
 def _shard_tf_dataset(dataset, batch_size, shuffle, seed, drop_remainder):
@@ -183,99 +192,4 @@ def shard(data: Any, batch_size: Optional[int] = None, shuffle: bool = False, se
 
 
 # -- device prefetch ----------------------------------------------------------------------------
-def prefetch_depth(accelerator: bool) -> int:
-    """Batches to copy ahead of the step: ``MGPU_PREFETCH`` when set, else 2 on an
-    accelerator and 0 (off) on CPU, where the hand-off between threads costs more than it
-    hides (measured: a tiny MLP on JAX CPU ran 3x slower with it).
 
-    Args:
-        accelerator: whether the backend computes on a GPU (or another accelerator).
-
-    Raises:
-        ValueError: the variable is not a whole number >= 0.
-    """
-    value = os.environ.get("MGPU_PREFETCH")
-    if value is None:
-        return 2 if accelerator else 0
-    try:
-        depth = int(value)
-    except ValueError:
-        depth = -1
-    if depth < 0:
-        raise ValueError(f"MGPU_PREFETCH={value!r}: expected the number of batches to copy to "
-                         f"the device ahead of the step (a whole number >= 0; 0 turns device "
-                         f"prefetch off)")
-    return depth
-
-
-class Prefetcher:
-    """An iterator over `source`, produced by a background thread up to `depth` items ahead.
-
-    The thread runs ``transfer(item)`` on every item (the engines pass their host-to-device
-    copy, which waits for the copy to finish there, not in the training loop). An exception in
-    the source or the transfer is raised by ``next`` in the consumer, after the items before
-    it. The thread starts at the first ``next``. When the consumer drops the iterator early (``steps_per_epoch``, early stopping), the
-    thread notices within 0.1 s and ends, releasing what it held.
-
-    Args:
-        source: any iterable (Keras's data adapter iterator, a DataLoader, a generator).
-        transfer: applied to each item in the background thread.
-        depth: items ready ahead of the consumer (>= 1).
-
-    Example:
-        >>> for batch in Prefetcher(adapter.get_jax_iterator(), jax.device_put, depth=2):
-        ...     step(batch)
-    """
-
-    def __init__(self, source: Iterable, transfer: Callable[[Any], Any], depth: int = 2):
-        self._queue: "queue.Queue" = queue.Queue(maxsize=max(1, depth))
-        self._stop = threading.Event()
-        self._done = False
-        # The thread gets the queue and the event, not `self`, so dropping the Prefetcher
-        # runs __del__ and stops it.
-        self._thread = threading.Thread(
-            target=_produce, args=(iter(source), transfer, self._queue, self._stop),
-            name="mgpu-prefetch", daemon=True)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if not self._thread.is_alive() and not self._thread.ident:
-            # Started by the first request, not at creation: Keras creates the next epoch's
-            # iterator before the data's on_epoch_end() (a PyDataset's reshuffle) has run.
-            self._thread.start()
-        if self._done:
-            raise StopIteration
-        kind, item = self._queue.get()
-        if kind == "item":
-            return item
-        self._done = True
-        if kind == "error":
-            raise item
-        raise StopIteration
-
-    def close(self) -> None:
-        """Stop the background thread (also done when the iterator is garbage-collected)."""
-        self._stop.set()
-
-    __del__ = close
-
-
-def _produce(iterator, transfer, out: "queue.Queue", stop: threading.Event) -> None:
-    def offer(message) -> bool:
-        while not stop.is_set():
-            try:
-                out.put(message, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    try:
-        for item in iterator:
-            if not offer(("item", transfer(item))):
-                return
-        offer(("end", None))
-    except BaseException as error:  # handed to the consumer, raised there
-        offer(("error", error))

@@ -13,12 +13,11 @@ shares over MPI what each rank is about to do:
 
 Any difference is a ``MismatchError`` on every rank at once, naming the values per rank. Data
 of unknown length (a generator, a filtered tf.data pipeline) without ``steps_per_epoch`` cannot
-be checked: rank 0 prints a warning saying to pass ``steps_per_epoch``. Installed by
-``DistributedOptimizer`` (``install()`` is idempotent); other models' ``fit`` is untouched.
+be checked: rank 0 prints a warning saying to pass ``steps_per_epoch``. Added by the ``fit``
+patch that every ``DistributedOptimizer`` installs (``mgpu_launch.keras_patches``); other
+models' ``fit`` is untouched.
 """
 
-import functools
-import inspect
 import math
 import warnings
 from typing import Any, Dict, Optional
@@ -28,38 +27,18 @@ import keras
 from mgpu_launch import collectives, runtime
 
 
-def install() -> None:
-    """Wrap ``keras.Model.fit`` once so that it adds :class:`AgreementCheck`."""
-    original = keras.Model.fit
-    if getattr(original, "_mgpu", False):
-        return
-    signature = inspect.signature(original)
+def add_agreement_check(arguments: Dict[str, Any]) -> None:
+    """Append an :class:`AgreementCheck` to the callbacks of a ``fit`` call.
 
-    @functools.wraps(original)
-    def fit(self, *args, **kwargs):
-        if not (runtime.is_multi_process() and _distributed(self)):
-            return original(self, *args, **kwargs)
-        bound = signature.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        check = AgreementCheck(_validation_facts(bound.arguments),
-                               bound.arguments.get("initial_epoch", 0))
-        callbacks = bound.arguments.get("callbacks")
-        if isinstance(callbacks, keras.callbacks.CallbackList):
-            callbacks.append(check)
-        else:
-            bound.arguments["callbacks"] = list(callbacks or []) + [check]
-        return original(*bound.args, **bound.kwargs)
-
-    fit._mgpu = True
-    keras.Model.fit = fit
-
-
-def _distributed(model) -> bool:
-    from mgpu_launch.optimizer import DistributedOptimizer
-
-    optimizer = getattr(model, "optimizer", None)
-    inner = getattr(optimizer, "inner_optimizer", None)  # a LossScaleOptimizer around ours
-    return isinstance(optimizer, DistributedOptimizer) or isinstance(inner, DistributedOptimizer)
+    Called by the ``fit`` patch in ``mgpu_launch.keras_patches`` (multi-process jobs, models
+    compiled with a DistributedOptimizer) with fit's bound arguments, which it updates.
+    """
+    check = AgreementCheck(_validation_facts(arguments), arguments.get("initial_epoch", 0))
+    callbacks = arguments.get("callbacks")
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks.append(check)
+    else:
+        arguments["callbacks"] = list(callbacks or []) + [check]
 
 
 def _batches(data: Any, batch_size: Optional[int]) -> Optional[int]:

@@ -12,8 +12,7 @@
               verbose=1 if hvd.rank() == 0 else 0)
 
 Each name has Horovod's meaning and keyword arguments and is a thin layer over ``mgpu_launch``'s
-own runtime, optimizer and callbacks. Differences, all listed in the README ("Migrating from
-Horovod"):
+own runtime, optimizer and callbacks. Differences, all listed in docs/horovod-migration.md:
 
 - ``init()`` also lets ``Model.compile`` accept Keras 2's ``experimental_run_tf_function``
   (Keras 3 raises TypeError on it); the argument is dropped with a warning (see
@@ -25,16 +24,15 @@ Horovod"):
   ``reducescatter``, ``elastic``, the timeline. Using one raises an error that says what to do.
 """
 
-import functools
+import shlex
 import sys
 import types
-import warnings
 
 import keras
 import numpy as np
 
-from mgpu_launch import collectives, optimizer as _optimizer, runtime
-from mgpu_launch import callbacks as _callbacks
+from mgpu_launch import collectives, keras_patches, optimizer as _optimizer, runtime
+from mgpu_launch import callbacks as _callbacks, launch as _launch
 from mgpu_launch.collectives import Average, Sum
 from mgpu_launch.compression import Compression
 from mgpu_launch.runtime import (cross_rank, cross_size, is_initialized, local_rank, local_size,
@@ -61,7 +59,7 @@ _WHY_MISSING = {
 def __getattr__(name):
     if name in _WHY_MISSING:
         raise AttributeError(f"mgpu_launch.keras does not provide Horovod's {name!r}: "
-                             f"{_WHY_MISSING[name]}. See the README, 'Migrating from Horovod'.")
+                             f"{_WHY_MISSING[name]}. See docs/horovod-migration.md.")
     raise AttributeError(f"module 'mgpu_launch.keras' has no attribute {name!r}")
 
 
@@ -106,33 +104,8 @@ def init(comm=None, process_sets=None) -> None:
         _reject("process_sets", process_sets, "only the global process set exists. Call "
                 "hvd.init() without it.")
     runtime.init()
-    _accept_experimental_run_tf_function()
-
-
-def _accept_experimental_run_tf_function() -> None:
-    # Replaced where Keras defines it (its Trainer class), not on keras.Model: Keras compares a
-    # model's compile with Trainer.compile to tell a user-defined compile (then load_model
-    # would skip compiling).
-    owner = next(cls for cls in keras.Model.__mro__ if "compile" in vars(cls))
-    compile_ = owner.compile
-    if getattr(compile_, "_drops_experimental_run_tf_function", False):
-        return
-    warned = []
-
-    @functools.wraps(compile_)
-    def compile(self, *args, **kwargs):
-        if "experimental_run_tf_function" in kwargs:
-            del kwargs["experimental_run_tf_function"]
-            if not warned and runtime.state.rank == 0:
-                warned.append(True)
-                warnings.warn("compile(experimental_run_tf_function=...) is a Keras 2 argument; "
-                              "Keras 3 has no such argument, so mgpu_launch.keras drops it "
-                              "(the optimizer runs inside the compiled step anyway). Remove it.",
-                              stacklevel=2)
-        return compile_(self, *args, **kwargs)
-
-    compile._drops_experimental_run_tf_function = True
-    owner.compile = compile
+    # Horovod scripts pass compile(experimental_run_tf_function=False), a Keras 2 argument.
+    keras_patches.install_horovod_compile()
 
 
 # -- collectives on values -----------------------------------------------------------------------
@@ -288,6 +261,41 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
     return model
 
 
+# -- launching from Python ---------------------------------------------------------------------
+def run(func, args=(), kwargs=None, np=1, hosts=None, hostfile=None, mpi_args=None,
+        verbose=None, use_gloo=None, use_mpi=None, **unsupported):
+    """Horovod's ``horovod.run``: ``func(*args, **kwargs)`` on `np` processes, every result.
+
+    Over :func:`mgpu_launch.run` (same launcher as ``mgpu-train -np N``). Horovod's
+    ``tensorflow2_keras_mnist.py`` runs with ``import mgpu_launch.keras as horovod`` in place
+    of ``import horovod``.
+
+    Args:
+        func, args, kwargs, np, hosts, hostfile: as in Horovod.
+        mpi_args: extra mpirun arguments, one string.
+        verbose, use_gloo, use_mpi: accepted and ignored: the job always starts through
+            mpirun, and collectives use the backend's engine (NCCL on GPUs).
+        **unsupported: Horovod's elastic and ssh options are refused with a ValueError.
+
+    Returns:
+        The list of every rank's result, in rank order (Horovod's).
+
+    Raises:
+        mgpu_launch.RemoteError: a rank failed; the message has its traceback.
+
+    Example:
+        >>> models = hvd.run(train, np=2, hosts="localhost:2")
+    """
+    given = {name: value for name, value in unsupported.items() if value is not None}
+    if given:
+        name = sorted(given)[0]
+        _reject(name, given[name], "mgpu_launch.keras.run takes func, args, kwargs, np, "
+                "hosts, hostfile and mpi_args; elastic training and ssh settings are not "
+                "supported (configure ssh for mpirun itself). Remove it.")
+    return _launch.run(func, args=args, kwargs=kwargs, np=np, hosts=hosts, hostfile=hostfile,
+                       mpirun_args=shlex.split(mpi_args or ""), all_ranks=True)
+
+
 # -- callbacks -----------------------------------------------------------------------------------
 class BroadcastGlobalVariablesCallback(_callbacks.BroadcastGlobalVariablesCallback):
     """Horovod's: every rank starts from `root_rank`'s weights and optimizer state.
@@ -325,5 +333,5 @@ __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
     "cross_rank", "cross_size", "allreduce", "allgather", "broadcast", "broadcast_object",
     "DistributedOptimizer", "load_model", "Compression", "Average", "Sum", "Adasum",
-    "global_process_set", "callbacks",
+    "global_process_set", "callbacks", "run",
 ]

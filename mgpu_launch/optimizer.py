@@ -5,12 +5,15 @@ own ``LossScaleOptimizer``): ``apply(grads)`` reduces the gradients through the 
 — inside the compiled train step — then lets the inner optimizer update the variables.
 """
 
+import json
+import os
+import zipfile
 from typing import Any, List, Optional
 
 import keras
 from keras import ops
 
-from mgpu_launch import collectives, engines, runtime
+from mgpu_launch import collectives, engines, keras_patches, runtime
 from mgpu_launch.collectives import MismatchError, ReduceOp
 from mgpu_launch.compression import Compression, Compressor
 
@@ -34,6 +37,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         sparse_as_dense: accepted for Horovod compatibility. Sparse gradients (embedding
             ``IndexedSlices``) are always made dense before the allreduce; the allgather of
             sparse slices is not implemented.
+        cuda_graph: torch backend on GPUs: capture the whole train step in one CUDA graph and
+            replay it (True), keep it eager (False), or follow ``MGPU_TORCH_CUDA_GRAPH=1``
+            (None, default). Falls back to eager with one warning when the step cannot be
+            captured; see docs/torch-cuda-graphs.md. Ignored by the other backends.
         name: the optimizer's name.
 
     Mixed precision: with the ``mixed_float16`` policy, wrap the loss-scaling optimizer and
@@ -61,7 +68,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def __init__(self, optimizer, compression=Compression.none, op: ReduceOp = collectives.Average,
                  backward_passes_per_step: int = 1, average_aggregated_gradients: bool = True,
                  gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
-                 name: Optional[str] = None, **kwargs):
+                 cuda_graph: Optional[bool] = None, name: Optional[str] = None, **kwargs):
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise ValueError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer; got "
                              f"{optimizer!r} ({type(optimizer).__name__}). Pass e.g. "
@@ -77,6 +84,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                                               and op is not collectives.Average):
             raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor!r}: "
                              f"expected a positive number, and only with op=mgpu.Average")
+        if cuda_graph not in (None, True, False):
+            raise ValueError(f"cuda_graph={cuda_graph!r}: expected True, False or None "
+                             f"(None follows MGPU_TORCH_CUDA_GRAPH)")
         if kwargs:
             raise ValueError(f"DistributedOptimizer does not take {sorted(kwargs)}: set them "
                              f"on the wrapped optimizer instead.")
@@ -89,6 +99,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self.average_aggregated_gradients = bool(average_aggregated_gradients)
         self.gradient_predivide_factor = float(gradient_predivide_factor)
         self.sparse_as_dense = bool(sparse_as_dense)
+        self.cuda_graph = cuda_graph
         #: with a LearningRateSchedule: a variable its output is multiplied by (LR callbacks)
         self.lr_multiplier = None
         self._sync_in_step = False
@@ -98,11 +109,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 self.lr_multiplier = self.add_variable(shape=(), initializer="ones",
                                                        name="lr_multiplier")
             optimizer._learning_rate = _MultipliedSchedule(schedule, self.lr_multiplier)
-        # fit's batches: copied to the device ahead of the step (mgpu_launch.data, MGPU_PREFETCH)
-        engines.get_engine_or_default().install_prefetch()
-        if runtime.is_multi_process():
-            from mgpu_launch import fit_guard
-            fit_guard.install()  # ranks must agree on steps per epoch before the first step
+        # Device prefetch of fit's batches (MGPU_PREFETCH), the ranks' agreement check before
+        # the first step, and (JAX) the engine's train step: all patches of Keras internals.
+        keras_patches.install(DistributedOptimizer)
         self._init_done = True
 
     def __setattr__(self, name, value):
@@ -235,23 +244,64 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def finalize_variable_values(self, var_list):
         self.inner_optimizer.finalize_variable_values(var_list)
 
-    def get_config(self):
+    # -- saving: files hold the inner optimizer, so plain Keras loads them ------------------
+    def __dir__(self):
+        # Keras's saving walks dir(): hiding the inner optimizer keeps it from being written a
+        # second time, under a path plain Keras would not read, by save_own_variables below.
+        return [name for name in super().__dir__() if name != "inner_optimizer"]
+
+    def save_own_variables(self, store):
+        """Write the inner optimizer's variables only, in its order (what plain Keras reads).
+
+        Our own variables are not saved: the in-step sync flag must start at 0 in a new job,
+        the LR callbacks set ``lr_multiplier`` again at every batch, and with
+        ``backward_passes_per_step > 1`` a partly accumulated gradient is dropped.
+        """
+        self.inner_optimizer.save_own_variables(store)
+
+    def load_own_variables(self, store):
+        inner = self.inner_optimizer
+        keys, expected = len(store.keys()), len(inner.variables)
+        if expected and keys == len(self._variables) + expected:
+            # A file from mgpu_launch 0.1, which saved our variables first, then the inner's.
+            for index, variable in enumerate(inner.variables):
+                variable.assign(store[str(keys - expected + index)])
+            return
+        inner.load_own_variables(store)
+
+    def inner_config(self) -> dict:
+        """The inner optimizer, serialized as Keras does, plus our settings under "mgpu_launch".
+
+        This is what ``model.save`` writes for the model's optimizer (the compile-config patch
+        in ``keras_patches``): plain ``keras.models.load_model`` builds the inner optimizer
+        and ignores the extra key; :func:`load_model` reads it back to re-wrap.
+        """
+        config = self._serialized_inner()
+        settings = self.get_config()
+        del settings["optimizer"]
+        config["mgpu_launch"] = {"class_name": "DistributedOptimizer", "config": settings}
+        return config
+
+    def _serialized_inner(self) -> dict:
         schedule = self.inner_optimizer._learning_rate
         if isinstance(schedule, _MultipliedSchedule):  # save the user's schedule, not ours
             self.inner_optimizer._learning_rate = schedule.schedule
         try:
-            inner = keras.saving.serialize_keras_object(self.inner_optimizer)
+            return keras.saving.serialize_keras_object(self.inner_optimizer)
         finally:
             self.inner_optimizer._learning_rate = schedule
+
+    def get_config(self):
         return {
             "name": self.name,
-            "optimizer": inner,
+            "optimizer": self._serialized_inner(),
             "compression": self.compression.name,
             "op": self.op.value,
             "backward_passes_per_step": self.backward_passes_per_step,
             "average_aggregated_gradients": self.average_aggregated_gradients,
             "gradient_predivide_factor": self.gradient_predivide_factor,
             "sparse_as_dense": self.sparse_as_dense,
+            "cuda_graph": self.cuda_graph,
         }
 
     @classmethod
@@ -310,11 +360,38 @@ def scale_lr(base_lr: float) -> float:
 def load_model(path: str, custom_objects: Optional[dict] = None, **kwargs):
     """``keras.models.load_model`` that leaves the model's optimizer a DistributedOptimizer.
 
-    A model saved with a DistributedOptimizer comes back with one; a model saved from plain
-    single-process training gets its optimizer wrapped (default arguments).
+    Files saved from a DistributedOptimizer model hold the inner optimizer (so plain Keras
+    loads them) and, in a ``.keras`` file, the wrapper's settings: the model comes back with a
+    DistributedOptimizer of those settings around the loaded optimizer and its state. A model
+    saved from plain single-process training gets its optimizer wrapped (default arguments).
+
+    Args:
+        path: a ``.keras`` file (or a legacy ``.h5``).
+        custom_objects: as for ``keras.models.load_model``.
+        **kwargs: passed to ``keras.models.load_model``.
+
+    Returns:
+        The model, its optimizer a DistributedOptimizer.
+
+    Example:
+        >>> model = mgpu.load_model("ckpt/model-05.keras")
+        >>> model.fit(x, y, initial_epoch=5, epochs=10)
     """
     model = keras.models.load_model(path, custom_objects=custom_objects, **kwargs)
     if getattr(model, "optimizer", None) is not None and not isinstance(
             model.optimizer, DistributedOptimizer):
-        model.optimizer = DistributedOptimizer(model.optimizer)
+        model.optimizer = DistributedOptimizer(model.optimizer, **saved_settings(path))
     return model
+
+
+def saved_settings(path) -> dict:
+    """The DistributedOptimizer settings a ``.keras`` file was saved with ({} if none)."""
+    path = os.fspath(path)
+    if not path.endswith(".keras") or not zipfile.is_zipfile(path):
+        return {}
+    with zipfile.ZipFile(path) as archive:
+        config = json.loads(archive.read("config.json"))
+    optimizer = (config.get("compile_config") or {}).get("optimizer")
+    if not isinstance(optimizer, dict):
+        return {}
+    return dict((optimizer.get("mgpu_launch") or {}).get("config") or {})

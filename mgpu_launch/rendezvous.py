@@ -5,8 +5,10 @@ for a ``host:port`` here and hands it to its framework (JAX's coordinator, torch
 TensorFlow's servers).
 """
 
+import ipaddress
 import os
 import socket
+from typing import Optional, Sequence
 
 
 def free_port() -> int:
@@ -16,9 +18,83 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def host_address() -> str:
-    """This host's address as the other hosts would dial it (its name resolved)."""
-    return socket.gethostbyname(socket.gethostname())
+def _is_loopback(address: str) -> bool:
+    return ipaddress.ip_address(address).is_loopback
+
+
+def _resolve(name: str) -> Optional[str]:
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        return None
+
+
+def host_address(peers: Sequence[str] = ()) -> str:
+    """This host's IPv4 address as the hosts named in `peers` would dial it.
+
+    Its own name resolved, when that is not a loopback address. Debian and Ubuntu map a host's
+    own name to 127.0.1.1 in /etc/hosts, which no other host can dial: then the address this
+    host sends from when it reaches the first resolvable peer (the kernel's route choice; no
+    packet is sent). With no usable peer, loopback: right when every rank is on this host.
+
+    Args:
+        peers: names of the other hosts of the job (an empty sequence: a one-host job).
+
+    Returns:
+        A dotted IPv4 address.
+
+    Example:
+        On node1 of scripts/cluster.sh (whose /etc/hosts says ``127.0.1.1 node1``):
+
+        >>> host_address(["node2"])  # doctest: +SKIP
+        '10.213.0.1'
+    """
+    own = _resolve(socket.gethostname())
+    if own and not _is_loopback(own):
+        return own
+    for peer in peers:
+        peer_address = _resolve(peer)
+        if not peer_address or _is_loopback(peer_address):
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.connect((peer_address, 9))  # UDP connect: picks a route, sends nothing
+            except OSError:
+                continue
+            return probe.getsockname()[0]
+    return own or "127.0.0.1"
+
+
+def job_host_address(state) -> str:
+    """Collective: this host's address as the job's OTHER hosts dial it (see host_address).
+
+    Every rank must call it (the ranks exchange their host names over MPI).
+    """
+    own = socket.gethostname()
+    names = state.comm.allgather(own) if state.comm is not None else [own]
+    return host_address(sorted(set(names) - {own}))
+
+
+def interface_of(address: str) -> Optional[str]:
+    """Name of the network interface that holds IPv4 `address` (Linux), or None.
+
+    gloo (JAX's and torch's CPU collectives) binds to an interface rather than an address
+    (GLOO_SOCKET_IFNAME); this maps the address chosen by :func:`job_host_address` to it.
+    """
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                packed = fcntl.ioctl(probe.fileno(), siocgifaddr,
+                                     struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue
+        if socket.inet_ntoa(packed[20:24]) == address:
+            return name
+    return None
 
 
 def rendezvous_address(state, override_variable: str, timeout: float = 60.0) -> str:
@@ -34,10 +110,11 @@ def rendezvous_address(state, override_variable: str, timeout: float = 60.0) -> 
     """
     comm = state.comm
     address = None
+    host = job_host_address(state)
     if state.rank == 0:
         address = os.environ.get(override_variable)
         if not address:
-            address = f"{host_address()}:{free_port()}"
+            address = f"{host}:{free_port()}"
     address = comm.bcast(address, root=0)
     host, _, port = address.rpartition(":")
     listener, problem = None, None

@@ -8,13 +8,13 @@ import pytest
 keras = pytest.importorskip("keras")
 
 import mgpu_launch as mgpu  # noqa: E402
-from mgpu_launch import data  # noqa: E402
+from mgpu_launch import prefetch  # noqa: E402
 
 BACKEND = keras.backend.backend()
 
 
 def test_items_arrive_in_order_transformed_and_then_it_stops():
-    assert list(data.Prefetcher(range(50), lambda x: x * 2, depth=3)) == list(range(0, 100, 2))
+    assert list(prefetch.Prefetcher(range(50), lambda x: x * 2, depth=3)) == list(range(0, 100, 2))
 
 
 def test_the_thread_works_at_most_depth_items_ahead():
@@ -25,7 +25,7 @@ def test_the_thread_works_at_most_depth_items_ahead():
             produced.append(i)
             yield i
 
-    batches = data.Prefetcher(source(), lambda x: x, depth=2)
+    batches = prefetch.Prefetcher(source(), lambda x: x, depth=2)
     assert next(batches) == 0
     time.sleep(0.3)
     # 1 handed out + 2 queued + 1 the thread holds while it waits for room
@@ -38,7 +38,7 @@ def test_a_source_error_is_raised_in_the_consumer_after_the_good_items():
         yield 2
         raise OSError("disk went away at batch 3")
 
-    batches = data.Prefetcher(source(), lambda x: x, depth=2)
+    batches = prefetch.Prefetcher(source(), lambda x: x, depth=2)
     assert [next(batches), next(batches)] == [1, 2]
     with pytest.raises(OSError, match="disk went away at batch 3"):
         next(batches)
@@ -52,7 +52,7 @@ def test_dropping_the_iterator_early_ends_the_thread():
             yield 0
 
     before = threading.active_count()
-    batches = data.Prefetcher(endless(), lambda x: x, depth=2)
+    batches = prefetch.Prefetcher(endless(), lambda x: x, depth=2)
     next(batches)
     del batches
     deadline = time.monotonic() + 5
@@ -66,14 +66,14 @@ def test_a_bad_prefetch_setting_is_explained(monkeypatch, value):
     monkeypatch.setenv("MGPU_PREFETCH", value)
     with pytest.raises(ValueError, match=rf"MGPU_PREFETCH='{value}': expected the number of "
                                          rf"batches .* 0 turns device prefetch off"):
-        data.prefetch_depth(accelerator=True)
+        prefetch.prefetch_depth(accelerator=True)
 
 
 def test_on_by_default_on_gpus_only(monkeypatch):
     monkeypatch.delenv("MGPU_PREFETCH", raising=False)
-    assert (data.prefetch_depth(True), data.prefetch_depth(False)) == (2, 0)
+    assert (prefetch.prefetch_depth(True), prefetch.prefetch_depth(False)) == (2, 0)
     monkeypatch.setenv("MGPU_PREFETCH", "3")
-    assert data.prefetch_depth(False) == 3
+    assert prefetch.prefetch_depth(False) == 3
 
 
 class ThreadRecorder(keras.utils.PyDataset):

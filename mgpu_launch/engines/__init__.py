@@ -7,7 +7,10 @@ once, from ``keras.backend.backend()``, by :func:`get_engine`; framework imports
 """
 
 import importlib
+import os
 from typing import Any, Dict, List, Optional, Sequence
+
+from mgpu_launch import runtime
 
 #: backend name -> "module:Class"
 ENGINES: Dict[str, str] = {
@@ -32,11 +35,45 @@ class Engine:
     def shutdown(self) -> None:
         """Called by ``mgpu.shutdown()``."""
 
-    def install_prefetch(self) -> None:
-        """Make Keras's ``fit``/``evaluate``/``predict`` copy batches to the device ahead of
-        the step from a background thread (``mgpu_launch.data.Prefetcher``). Called by every
-        ``DistributedOptimizer`` (also on one process); must be idempotent. The default
-        leaves Keras's feeding alone (TensorFlow: tf.data prefetches in its own threads)."""
+    # -- feeding (the epoch-iterator patch in mgpu_launch.keras_patches asks these) -------------
+    def computes_on_accelerator(self) -> bool:
+        """Whether the backend computes on a GPU (device prefetch is then on by default)."""
+        return False
+
+    def prefetch_source(self, epoch_iterator, keras_get_iterator):
+        """The batches to copy to the device ahead of the step from a background thread
+        (``mgpu_launch.prefetch.Prefetcher``), or None to keep Keras's own feeding.
+
+        Args:
+            epoch_iterator: Keras's epoch iterator of this backend.
+            keras_get_iterator: its original ``_get_iterator`` (unbound).
+        """
+        return None
+
+    def prefetch_transfer(self):
+        """The copy the prefetch thread applies to each batch (called in that thread)."""
+        return lambda batch: batch
+
+    # -- the train step -----------------------------------------------------------------------------
+    def owns_train_step(self) -> bool:
+        """Whether :meth:`train_function` replaces Keras's train function (JAX: shard_map)."""
+        return False
+
+    def train_function(self, model):
+        """Keras's one-step function for `model`, built by the engine (see owns_train_step)."""
+        raise NotImplementedError
+
+    def wrap_train_function(self, model, function):
+        """Keras's train function for `model` as the engine runs it (torch: CUDA graphs).
+
+        Called when Keras makes the function, for models with a DistributedOptimizer; the
+        default returns `function` unchanged.
+        """
+        return function
+
+    def localize(self, tree):
+        """This process's part of every value in `tree` the engine's step returned."""
+        return tree
 
     def allreduce(self, tensors: Sequence[Any], *, average: bool, prescale: float = 1.0,
                   postscale: float = 1.0, compression=None) -> List[Any]:
@@ -100,36 +137,6 @@ class Engine:
 _engine: Optional[Engine] = None
 
 
-def prefetch_epoch_iterator(iterator_class, *, accelerator, source, to_device) -> None:
-    """Make Keras's epoch iterator of a backend feed from ``mgpu_launch.data.Prefetcher``.
-
-    Patches ``iterator_class._get_iterator`` once (idempotent). Each epoch it asks
-    ``data.prefetch_depth(accelerator())``; at depth 0, or when ``source(epoch_iterator,
-    keras_get_iterator)`` returns None, Keras's own feeding runs unchanged.
-
-    Args:
-        iterator_class: the backend's ``EpochIterator`` subclass.
-        accelerator: () -> whether the backend computes on a GPU (prefetch default on).
-        source: (epoch_iterator, keras_get_iterator) -> the batches to prefetch, or None.
-        to_device: () -> the copy the prefetch thread applies to each batch.
-    """
-    from mgpu_launch import data
-
-    original = iterator_class._get_iterator
-    if getattr(original, "_mgpu", False):
-        return
-
-    def _get_iterator(self):
-        depth = data.prefetch_depth(accelerator())
-        batches = source(self, original) if depth else None
-        if batches is None:
-            return original(self)
-        return data.Prefetcher(batches, to_device(), depth)
-
-    _get_iterator._mgpu = True
-    iterator_class._get_iterator = _get_iterator
-
-
 def get_engine(backend: Optional[str] = None) -> Engine:
     """The engine for `backend` (default: Keras's current backend), created once.
 
@@ -165,3 +172,16 @@ def reset() -> None:
     if _engine is not None:
         _engine.shutdown()
     _engine = None
+
+
+def _start(state) -> None:
+    """Runtime hook: on a multi-process job, set up the backend's engine at ``mgpu.init()``.
+
+    ``MGPU_ENGINE=none`` skips it (host collectives only, Keras never imported).
+    """
+    if state.size > 1 and os.environ.get("MGPU_ENGINE", "keras") != "none":
+        get_engine().setup(state)
+
+
+# The runtime knows nothing of engines (it sits below them): they join its start and stop.
+runtime.add_hooks(start=_start, stop=reset)

@@ -1,6 +1,6 @@
 """JAX engine: one process per device, gradients averaged by ``psum`` inside the jitted step.
 
-Route chosen (README, "JAX backend"): Keras's train step runs under ``jax.shard_map`` over a
+Route chosen (docs/backends.md, "JAX backend"): Keras's train step runs under ``jax.shard_map`` over a
 one-axis mesh of every process's device. Each device computes the loss, gradients and
 BatchNorm statistics of its *own* local batch (Horovod's semantics); the DistributedOptimizer's
 ``psum`` is the only collective in the step, and XLA lowers it to NCCL on GPU (gloo on CPU).
@@ -11,9 +11,10 @@ forward and backward) and measured slower at 2 GPUs.
 Plumbing, all zero-copy: at each step the process-local state and batch are viewed as global
 arrays (``jax.make_array_from_single_device_arrays``: state "replicated", batch split along
 axis 0 across processes); the step's outputs go back to Keras as they are, and become local
-arrays again only when Keras writes them into its variables (``jax_state_sync``). For this the
-engine replaces two methods of Keras's ``JAXTrainer`` — ``make_train_function`` and
-``jax_state_sync`` — and only changes their behaviour for a model compiled with a
+arrays again only when Keras writes them into its variables (``jax_state_sync``). For this
+``mgpu_launch.keras_patches`` replaces two methods of Keras's ``JAXTrainer`` —
+``make_train_function`` (which then asks :meth:`JaxEngine.train_function`) and
+``jax_state_sync`` (:meth:`JaxEngine.localize`) — for a model compiled with a
 ``DistributedOptimizer`` in a multi-process job. Evaluation and prediction stay local.
 
 Set-up (``mgpu.init()``): rank 0 picks the coordinator address, MPI broadcasts it, and every
@@ -28,10 +29,32 @@ from typing import Any, List, Sequence
 
 import numpy as np
 
-from mgpu_launch.engines import Engine, prefetch_epoch_iterator
-from mgpu_launch.rendezvous import rendezvous_address
+from mgpu_launch.engines import Engine
+from mgpu_launch.rendezvous import job_host_address, rendezvous_address
 
 AXIS = "mgpu"
+
+
+def _create_cpu_backend(host: str) -> None:
+    """Create JAX's CPU backend with its gloo collectives bound to `host`.
+
+    Left alone, gloo binds to this host's own name resolved, which Debian's /etc/hosts maps to
+    127.0.1.1: ranks on other hosts then dial their own loopback and the first collective
+    fails. JAX's backend factory passes no address, so the gloo factory it calls gets one here,
+    only while the backend is created (the first device query).
+    """
+    import functools
+
+    import jax
+    from jax._src import xla_bridge
+
+    module = xla_bridge._jax
+    original = module.make_gloo_tcp_collectives
+    module.make_gloo_tcp_collectives = functools.partial(original, hostname=host)
+    try:
+        jax.local_devices()
+    finally:
+        module.make_gloo_tcp_collectives = original
 
 
 class JaxEngine(Engine):
@@ -64,11 +87,13 @@ class JaxEngine(Engine):
         timeout = int(float(os.environ.get("MGPU_JAX_INIT_TIMEOUT", "60")))
         address = rendezvous_address(state, "MGPU_JAX_COORDINATOR", timeout)
         options = {}
+        gloo_host = None
         if devices.visible_gpus():
             local = int(os.environ.get("MGPU_LOCAL_DEVICE", state.local_rank))
             options["local_device_ids"] = [local]
         else:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            gloo_host = job_host_address(state)
         try:
             jax.distributed.initialize(address, num_processes=state.size, process_id=state.rank,
                                        initialization_timeout=timeout, **options)
@@ -77,6 +102,8 @@ class JaxEngine(Engine):
                 f"rank {state.rank} could not join the JAX coordinator at {address} within "
                 f"{timeout} s ({type(error).__name__}: {error}). Raise MGPU_JAX_INIT_TIMEOUT "
                 f"if the processes start slowly.") from error
+        if gloo_host is not None:
+            _create_cpu_backend(gloo_host)
         if len(jax.local_devices()) != 1:
             raise RuntimeError(
                 f"rank {state.rank} sees {len(jax.local_devices())} JAX devices; mgpu_launch "
@@ -84,20 +111,20 @@ class JaxEngine(Engine):
         ordered = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
         self.mesh = jax.sharding.Mesh(np.array(ordered), (AXIS,))
         self.device = jax.local_devices()[0]
-        _patch_trainer(self)
 
-    def install_prefetch(self) -> None:
+    # -- feeding --------------------------------------------------------------------------------
+    def computes_on_accelerator(self) -> bool:
         import jax
-        from keras.src.backend.jax import trainer as jax_trainer
+        return jax.default_backend() != "cpu"
 
-        def batches(epoch_iterator, keras_get_iterator):
-            if jax_trainer.distribution_lib.distribution() is not None:
-                return None  # keras.distribution lays batches out itself
-            return epoch_iterator.data_adapter.get_jax_iterator()
+    def prefetch_source(self, epoch_iterator, keras_get_iterator):
+        import keras
+        if keras.distribution.distribution() is not None:
+            return None  # keras.distribution lays batches out itself
+        return epoch_iterator.data_adapter.get_jax_iterator()
 
-        prefetch_epoch_iterator(jax_trainer.JAXEpochIterator, source=batches,
-                                accelerator=lambda: jax.default_backend() != "cpu",
-                                to_device=_to_device)
+    def prefetch_transfer(self):
+        return _to_device()
 
     def shutdown(self) -> None:
         if self.mesh is not None:
@@ -186,6 +213,12 @@ class JaxEngine(Engine):
             variable.assign(value)
 
     # -- the distributed train function ------------------------------------------------------------
+    def owns_train_step(self) -> bool:
+        return self.mesh is not None  # set up for a multi-process job
+
+    def localize(self, tree):
+        return localize(tree)
+
     def train_function(self, model):
         """``(state, batch) -> (logs, state)`` for Keras's fit loop, the step under shard_map."""
         import jax
@@ -250,36 +283,6 @@ def localize(tree):
             return value.addressable_data(0)
         return value
     return jax.tree.map(local, tree)
-
-
-def _patch_trainer(engine: JaxEngine) -> None:
-    """Route fit/train_on_batch of DistributedOptimizer models through `engine`'s step."""
-    from keras.src.backend.jax.trainer import JAXTrainer
-
-    from mgpu_launch.optimizer import DistributedOptimizer
-
-    if getattr(JAXTrainer, "_mgpu_engine", None) is None:
-        original_make, original_sync = JAXTrainer.make_train_function, JAXTrainer.jax_state_sync
-
-        def make_train_function(self, force=False):
-            active = JAXTrainer._mgpu_engine
-            if active is None or active.mesh is None or not isinstance(
-                    getattr(self, "optimizer", None), DistributedOptimizer):
-                return original_make(self, force)
-            if self.train_function is not None and not force:
-                return
-            self.train_function = self._make_function(active.train_function(self))
-
-        def jax_state_sync(self):
-            if getattr(self, "_jax_state", None) and not self._jax_state_synced:
-                # Keras keeps these as TrackedLists, which jax.tree treats as leaves.
-                self._jax_state = {key: [localize(v) for v in values]
-                                   for key, values in self._jax_state.items()}
-            original_sync(self)
-
-        JAXTrainer.make_train_function = make_train_function
-        JAXTrainer.jax_state_sync = jax_state_sync
-    JAXTrainer._mgpu_engine = engine
 
 
 def _to_device():

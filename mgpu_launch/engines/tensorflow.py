@@ -11,9 +11,18 @@ graph through ``tf.numpy_function`` and is summed by ``MPI_Allreduce``. On our 2
 was ~5x faster than the gRPC ring for 100 MB; it cannot run under XLA or on GPU tensors.
 
 Gradients are fused into one flat buffer per dtype (Horovod's tensor fusion): one collective per
-dtype per step. Each execution takes a fresh instance key from an in-graph counter, so retracing
-and changing shapes stay consistent across ranks; one ordering token keeps the collectives in
-program order on every rank.
+dtype per step. One ordering token keeps the collectives in program order on every rank.
+
+Instance keys: TensorFlow keeps a record (~0.9 KB) for every instance key it has seen, forever,
+and its per-collective latency rises as the table grows. So a collective whose buffer has a
+static shape takes a key derived from what it is — dtype, shape, and its position among the
+collectives of the same trace — and every execution of that step reuses it, as
+``tf.distribute`` does with the constant keys in its graphs. The key depends on nothing a rank
+counts at run time, so retracing on one rank only, or a new trace for another input shape,
+still gives every rank the same key; the ordering token keeps two executions of one key from
+overlapping. Memory and latency then stay flat (``benchmarks/tf_long_run.md``: 100k steps).
+A buffer of unknown static shape (TF reuses a key only for the same shape) falls back to a
+fresh key per execution from an in-graph counter, in a range of its own.
 
 XLA: Keras's ``jit_compile="auto"`` resolves to no XLA on CPU-only machines, so the default step
 works. An explicit ``jit_compile=True`` on CPU cannot compile collectives (TensorFlow:
@@ -23,20 +32,26 @@ TensorFlow cannot be installed on our GPU machine, so that path is untested.
 """
 
 import os
+import weakref
+import zlib
 from typing import Any, List, Sequence
 
 import numpy as np
 
 from mgpu_launch.engines import Engine
-from mgpu_launch.rendezvous import free_port, host_address
+from mgpu_launch.rendezvous import free_port, job_host_address
 
 TRANSPORTS = ("collective", "mpi")
 _JOB = "worker"
+# Keys derived from a collective's signature live in [1, _FIXED_KEYS]; the counter for buffers
+# of unknown shape counts above it, so the two never meet.
+_FIXED_KEYS = 2 ** 30
 
 
-def _reachable_host() -> str:
-    """An address the other ranks can reach this one at (MGPU_TF_HOST overrides)."""
-    return os.environ.get("MGPU_TF_HOST") or host_address()
+def _reachable_host(state) -> str:
+    """Collective: an address the other ranks can reach this one at (MGPU_TF_HOST overrides)."""
+    found = job_host_address(state)  # on every rank: it is a collective
+    return os.environ.get("MGPU_TF_HOST") or found
 
 
 class TensorFlowEngine(Engine):
@@ -51,6 +66,9 @@ class TensorFlowEngine(Engine):
         self.size = 1
         self.comm = None
         self._instance_key = self._ordering_token = None
+        self._signatures = {}  # fixed instance key -> the signature it was derived from
+        # graph being traced -> {(dtype, shape): collectives of that signature traced so far}
+        self._positions = weakref.WeakKeyDictionary()
 
     # -- set-up -------------------------------------------------------------------------------
     def setup(self, state) -> None:
@@ -68,7 +86,7 @@ class TensorFlowEngine(Engine):
                 "in-graph collectives can only be enabled at program start). Move mgpu.init() "
                 "to the top of the script, right after the imports.")
         port = free_port()
-        addresses = state.comm.allgather(f"{_reachable_host()}:{port}")
+        addresses = state.comm.allgather(f"{_reachable_host(state)}:{port}")
         ctx.configure_collective_ops(
             collective_leader=f"/job:{_JOB}/replica:0/task:0",
             scoped_allocator_enabled_ops=("CollectiveReduce",),
@@ -80,7 +98,7 @@ class TensorFlowEngine(Engine):
         ctx.enable_collective_ops(server_def)
         ctx.ensure_initialized()
         with tf.init_scope():
-            self._instance_key = tf.Variable(0, dtype=tf.int32, trainable=False,
+            self._instance_key = tf.Variable(_FIXED_KEYS, dtype=tf.int32, trainable=False,
                                              name="mgpu_collective_instance_key")
             self._ordering_token = tf.Variable(0.0, trainable=False,
                                                name="mgpu_collective_ordering_token")
@@ -101,6 +119,29 @@ class TensorFlowEngine(Engine):
                 "the model with jit_compile=False (or leave the default 'auto', which is off "
                 "on CPU-only machines).")
 
+    def _instance_key_for(self, flat):
+        """The same key on every rank and in every execution of this collective (see the module
+        docstring); a fresh one per execution when the buffer's shape is not static."""
+        import tensorflow as tf
+        from tensorflow.python.framework import ops
+
+        if not flat.shape.is_fully_defined():
+            return self._instance_key.assign_add(1)
+        position = 0
+        if not tf.executing_eagerly():
+            seen = self._positions.setdefault(ops.get_default_graph(), {})
+            base = (flat.dtype.name, tuple(flat.shape.as_list()))
+            position = seen[base] = seen.get(base, -1) + 1
+        signature = f"{flat.dtype.name}:{flat.shape.as_list()}:{position}"
+        key = 1 + zlib.crc32(signature.encode()) % _FIXED_KEYS
+        known = self._signatures.setdefault(key, signature)
+        if known != signature:
+            raise RuntimeError(
+                f"mgpu: two different TensorFlow collectives ({known} and {signature}) map to "
+                f"instance key {key}. This is a hash collision, not a mistake of yours; report "
+                f"it, and meanwhile change one buffer's shape or dtype.")
+        return key
+
     def _sum_flat(self, flat):
         import tensorflow as tf
 
@@ -119,7 +160,7 @@ class TensorFlowEngine(Engine):
             return tf.ensure_shape(summed, flat.shape)
         return tf.raw_ops.CollectiveReduceV2(
             input=flat, group_size=self.size, group_key=1,
-            instance_key=self._instance_key.assign_add(1),
+            instance_key=self._instance_key_for(flat),
             ordering_token=[self._ordering_token.handle],
             merge_op="Add", final_op="Id", communication_hint="auto",
             timeout_seconds=self.timeout)

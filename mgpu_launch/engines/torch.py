@@ -15,8 +15,8 @@ pinned one GPU per process with CUDA_VISIBLE_DEVICES) or gloo on CPU.
 
 Keras >= 3.16 wraps the model in ``DistributedDataParallel`` by itself when torch.distributed
 is initialized (``TorchTrainer._initialize_ddp``): gradients would then be reduced twice (once
-by DDP, once here) and BatchNorm buffers broadcast from rank 0 every step. The engine skips that
-wrapping for models compiled with a DistributedOptimizer; other models keep Keras's behaviour.
+by DDP, once here) and BatchNorm buffers broadcast from rank 0 every step. mgpu_launch.keras_patches
+skips that wrapping for models compiled with a DistributedOptimizer; other models keep Keras's behaviour.
 """
 
 import datetime
@@ -24,8 +24,19 @@ import os
 import sys
 from typing import Any, List, Optional, Sequence
 
-from mgpu_launch.engines import Engine, prefetch_epoch_iterator
-from mgpu_launch.rendezvous import rendezvous_address
+from mgpu_launch.engines import Engine
+from mgpu_launch.rendezvous import interface_of, job_host_address, rendezvous_address
+
+
+def _bind_gloo(host: str) -> None:
+    """Make gloo use the interface that holds `host` (unless GLOO_SOCKET_IFNAME is set).
+
+    Left alone, gloo binds to this host's own name resolved, which Debian's /etc/hosts maps to
+    127.0.1.1: ranks on other hosts then dial their own loopback.
+    """
+    interface = interface_of(host)
+    if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
 
 
 class TorchEngine(Engine):
@@ -61,6 +72,7 @@ class TorchEngine(Engine):
             options = {"backend": "nccl", "device_id": device}
         else:
             options = {"backend": "gloo"}
+            _bind_gloo(job_host_address(state))
         ours = sys.excepthook
         dist.init_process_group(init_method=f"tcp://{address}", rank=state.rank,
                                 world_size=state.size, timeout=timeout, **options)
@@ -68,16 +80,27 @@ class TorchEngine(Engine):
         # the MPI job inside that hook, so the captured traceback would never be printed.
         sys.excepthook = ours
         self.initialized = True
-        _patch_trainer()
 
-    def install_prefetch(self) -> None:
+    # -- feeding --------------------------------------------------------------------------------
+    def computes_on_accelerator(self) -> bool:
         import torch
-        from keras.src.backend.torch import trainer as torch_trainer
+        return torch.cuda.is_available()
 
-        prefetch_epoch_iterator(
-            torch_trainer.TorchEpochIterator, accelerator=torch.cuda.is_available,
-            source=lambda epoch_iterator, keras_get_iterator: keras_get_iterator(epoch_iterator),
-            to_device=_to_device)
+    def prefetch_source(self, epoch_iterator, keras_get_iterator):
+        return keras_get_iterator(epoch_iterator)
+
+    def prefetch_transfer(self):
+        return _to_device()
+
+    # -- the train step -----------------------------------------------------------------------------
+    def wrap_train_function(self, model, function):
+        """With ``MGPU_TORCH_CUDA_GRAPH=1`` (or ``DistributedOptimizer(cuda_graph=True)``):
+        the step captured in a CUDA graph and replayed (mgpu_launch.engines.torch_graph)."""
+        from mgpu_launch import runtime
+        from mgpu_launch.engines import torch_graph
+        if not torch_graph.requested(model.optimizer):
+            return function
+        return torch_graph.GraphedTrainStep(model, function, is_chief=runtime.state.rank == 0)
 
     def shutdown(self) -> None:
         if self._watched is not None:
@@ -222,25 +245,6 @@ class GradientBuckets:
     def remove(self):
         for handle in self.handles:
             handle.remove()
-
-
-def _patch_trainer() -> None:
-    """Keep Keras >= 3.16 from wrapping DistributedOptimizer models in DDP (double reduce)."""
-    from keras.src.backend.torch.trainer import TorchTrainer
-
-    from mgpu_launch.optimizer import DistributedOptimizer
-
-    original = getattr(TorchTrainer, "_initialize_ddp", None)
-    if original is None or getattr(original, "_mgpu", False):
-        return
-
-    def _initialize_ddp(self):
-        if isinstance(getattr(self, "optimizer", None), DistributedOptimizer):
-            return  # mgpu_launch reduces the gradients; DDP would do it a second time
-        original(self)
-
-    _initialize_ddp._mgpu = True
-    TorchTrainer._initialize_ddp = _initialize_ddp
 
 
 def _to_device():

@@ -1,0 +1,373 @@
+"""CUDA-graph capture of Keras's whole torch train step (``MGPU_TORCH_CUDA_GRAPH=1``).
+
+Keras's torch backend runs each step eagerly, and on a fast GPU the Python that dispatches
+its thousands of kernels is the bottleneck (ResNet-50: ~100 ms of host time per step against
+~43 ms of GPU work). :class:`GraphedTrainStep` records one step -- forward, backward, the
+bucketed NCCL allreduce launched from the gradient hooks, the optimizer update and the metric
+updates -- into a ``torch.cuda.CUDAGraph`` and replays it every step after copying the batch
+into the graph's static input buffers. It follows PyTorch's rules for whole-network capture:
+
+- warm-up steps first (real training steps, eager, on a side stream), so NCCL communicators,
+  cuBLAS/cuDNN handles and lazily built optimizer slots exist before capture;
+- a private memory pool per graph; the graph's outputs are cloned before Keras sees them;
+- no host synchronisation inside the step: the last warm-up step runs under
+  ``torch.cuda.set_sync_debug_mode("warn")`` and any synchronising call (``.item()``, a
+  Python branch on a tensor such as LossScaleOptimizer's finite check) means eager fallback;
+- static shapes: one graph per batch signature (shapes, dtypes, and the optimizer's Python
+  hyperparameters, which a graph bakes in), at most ``CACHE_SIZE`` kept, least recently used
+  evicted; a job that keeps producing new signatures falls back to eager.
+
+What reaches a replayed graph: everything Keras keeps in variables, because variables are
+updated in place (``copy_``) -- the learning rate (LR callbacks, warm-up, schedules computed
+from ``iterations``), momentum correction (it rescales the velocity slots), BatchNorm
+statistics, metric accumulators and ``reset_metrics``. A Python float changed after capture
+(``optimizer.momentum = 0.5``) changes the signature, so the step is captured again.
+
+When capture is impossible the step stays eager and ONE ``CudaGraphFallbackWarning`` (rank 0)
+names the reason: no CUDA device, a LossScaleOptimizer, ``backward_passes_per_step > 1``,
+``jit_compile=True``, a host read found in the step, a failed capture, or dynamic shapes.
+"""
+
+import collections
+import os
+import threading
+import warnings
+from typing import Any, Callable, Optional
+
+#: the environment variable that turns capture on (``1``); DistributedOptimizer(cuda_graph=)
+ENV = "MGPU_TORCH_CUDA_GRAPH"
+#: eager steps per batch signature before it is captured (PyTorch's examples use 3 to 11)
+WARMUP_ENV = "MGPU_TORCH_CUDA_GRAPH_WARMUP"
+#: graphs kept at once (each holds its own memory pool)
+CACHE_SIZE = 4
+#: distinct signatures after which the shapes count as dynamic and capture stops
+MAX_SIGNATURES = 16
+
+_SYNC_MESSAGE = "synchronizing CUDA operation"
+_stepping = threading.local()  # set while this thread warms up or captures a step
+
+
+def scalars_on_device() -> bool:
+    """Whether Python numbers should become device tensors without a host copy (see
+    mgpu_launch.keras_patches: only while a step is warmed up or captured, in that thread)."""
+    return getattr(_stepping, "active", False)
+
+
+#: the largest array of numbers a step may turn into a device tensor while it is captured
+MAX_CONSTANT_ELEMENTS = 16
+
+
+def device_constant(value, dtype=None):
+    """A constant of the step (a Python number, a numpy scalar, or a short list, tuple or
+    numpy array of numbers) as a tensor on Keras's device, made by fill kernels: no host
+    copy, so it can be captured. None for anything else (tensors, variables, long arrays).
+
+    The dtype follows Keras's ``convert_to_tensor``: `dtype` if given; for a Python number
+    bool, int32 (int64 outside its range) or ``floatx()``; for a list or tuple Keras's
+    ``result_type`` of its items; for numpy values their dtype.
+    """
+    import numpy as np
+    import torch
+    from keras.src.backend.config import floatx
+    from keras.src.backend.torch.core import get_device, to_torch_dtype
+
+    kind = type(value)
+    if kind in (bool, int, float):
+        if dtype is not None:
+            torch_dtype = to_torch_dtype(dtype)
+        elif kind is bool:
+            torch_dtype = torch.bool
+        elif kind is int:
+            torch_dtype = torch.int64 if value < -(2 ** 31) or value >= 2 ** 31 else torch.int32
+        else:
+            torch_dtype = to_torch_dtype(floatx())
+        return torch.full((), value, dtype=torch_dtype, device=get_device())
+    if not isinstance(value, (np.ndarray, np.generic, list, tuple)):
+        return None
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError):
+        return None
+    if array.dtype.kind not in "biuf" or array.size > MAX_CONSTANT_ELEMENTS or (
+            array.dtype == np.uint32 or array.dtype.name == "bfloat16"):
+        return None  # Keras converts these specially; leave them to it
+    if dtype is None and isinstance(value, (list, tuple)):  # Keras: from the Python types
+        from keras import tree
+        from keras.src.backend.common.dtypes import result_type
+        dtype = result_type(*[getattr(item, "dtype", type(item)) for item in tree.flatten(value)])
+    torch_dtype = to_torch_dtype(dtype if dtype is not None else array.dtype.name)
+    out = torch.empty(array.shape, dtype=torch_dtype, device=get_device())
+    flat = out.view(-1)
+    for index, number in enumerate(array.reshape(-1).tolist()):
+        flat[index].fill_(number)
+    return out
+
+
+class _Stepping:
+    def __enter__(self):
+        _stepping.active = True
+
+    def __exit__(self, *exc):
+        _stepping.active = False
+
+
+class CudaGraphFallbackWarning(UserWarning):
+    """The torch train step could not be captured and runs eagerly; the message says why."""
+
+
+def requested(optimizer=None) -> bool:
+    """Whether capture is asked for: ``DistributedOptimizer(cuda_graph=True)`` or the env."""
+    choice = getattr(optimizer, "cuda_graph", None)
+    if choice is not None:
+        return bool(choice)
+    return os.environ.get(ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def warmup_steps() -> int:
+    value = os.environ.get(WARMUP_ENV, "3")
+    try:
+        steps = int(value)
+    except ValueError:
+        raise ValueError(f"{WARMUP_ENV}={value!r}: expected an integer >= 1 (eager steps per "
+                         f"batch shape before capture), e.g. {WARMUP_ENV}=3") from None
+    if steps < 1:
+        raise ValueError(f"{WARMUP_ENV}={value!r}: expected an integer >= 1 (the step must "
+                         f"run eagerly at least once before it can be captured)")
+    return steps
+
+
+def _warn(reason: str, is_chief: bool) -> None:
+    if is_chief:
+        warnings.warn(f"{ENV}: the torch train step runs eagerly (no CUDA graph): {reason}.",
+                      CudaGraphFallbackWarning, stacklevel=3)
+
+
+def static_reason(model) -> Optional[str]:
+    """Why `model`'s step can never be captured (None: it may be)."""
+    import keras
+    import torch
+
+    optimizer = getattr(model, "optimizer", None)
+    chain = [optimizer, getattr(optimizer, "inner_optimizer", None)]
+    if any(isinstance(o, keras.optimizers.LossScaleOptimizer) for o in chain):
+        return ("a LossScaleOptimizer skips non-finite steps with a Python branch on the "
+                "gradients (a host read every step); use mixed_bfloat16, which needs no loss "
+                "scaling, to capture the step")
+    if getattr(optimizer, "backward_passes_per_step", 1) > 1:
+        return ("backward_passes_per_step > 1 decides on the host whether to apply; use "
+                "backward_passes_per_step=1 to capture the step")
+    if getattr(model, "jit_compile", False):
+        return "jit_compile=True (torch.compile) is not combined with capture; compile with "\
+               "jit_compile=False"
+    if not torch.cuda.is_available():
+        return "no CUDA device, the step runs on CPU (CUDA graphs need a GPU)"
+    return None
+
+
+def _signature(flat, optimizer) -> tuple:
+    shapes = tuple((tuple(x.shape), str(x.dtype)) if hasattr(x, "shape") else ("value", x)
+                   for x in flat)
+    return shapes + (_hyperparameters(optimizer),)
+
+
+def _hyperparameters(optimizer) -> tuple:
+    """The optimizer's Python numbers a graph bakes in (a change means a new capture)."""
+    found = []
+    for owner in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        for name in ("momentum", "nesterov", "beta_1", "beta_2", "epsilon", "rho",
+                     "weight_decay", "clipnorm", "clipvalue", "global_clipnorm"):
+            value = getattr(owner, name, None)
+            if isinstance(value, (int, float, bool)):
+                found.append((name, value))
+    return tuple(found)
+
+
+class _Captured:
+    """One graph: its static inputs, its outputs, and the graph itself."""
+
+    def __init__(self, graph, inputs, outputs):
+        self.graph, self.inputs, self.outputs = graph, inputs, outputs
+
+    def replay(self, flat):
+        import torch
+        for static, value in zip(self.inputs, flat):
+            if static is not None:
+                static.copy_(value, non_blocking=True)
+        self.graph.replay()
+        return torch.utils._pytree.tree_map(
+            lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.outputs)
+
+
+class GraphedTrainStep:
+    """Keras's ``one_step_on_data``, captured per batch signature and replayed.
+
+    Args:
+        model: the compiled Keras model (torch backend).
+        eager_step: Keras's own train function (``data -> logs``), used for warm-up steps,
+            for capture and as the fallback.
+        is_chief: whether this process prints the fallback warning (rank 0).
+
+    Example:
+        >>> model.train_function = GraphedTrainStep(model, model.train_function)
+    """
+
+    def __init__(self, model, eager_step: Callable, is_chief: bool = True):
+        import torch
+
+        self.model, self.eager_step, self.is_chief = model, eager_step, is_chief
+        self.warmup = warmup_steps()
+        self.graphs: "collections.OrderedDict[tuple, _Captured]" = collections.OrderedDict()
+        self.seen = collections.Counter()
+        #: steps run eagerly, graphs captured, steps replayed (for benchmarks and tests)
+        self.counts = collections.Counter()
+        #: where the checked warm-up step synchronised with the host (when it did)
+        self.sync_sites: list = []
+        self.fallback: Optional[str] = static_reason(model)
+        if self.fallback:
+            _warn(self.fallback, is_chief)
+            return
+        self.side = torch.cuda.Stream()
+        _allow_device_learning_rate(model.optimizer)
+
+    def __call__(self, data):
+        if self.fallback:
+            self.counts["eager"] += 1
+            return self.eager_step(data)
+        from keras import tree
+        flat = [_to_device(x) for x in tree.flatten(data)]
+        key = _signature(flat, self.model.optimizer)
+        captured = self.graphs.get(key)
+        if captured is not None:
+            self.graphs.move_to_end(key)
+            self.counts["replayed"] += 1
+            return captured.replay(flat)
+        self.seen[key] += 1
+        if len(self.seen) > MAX_SIGNATURES:
+            return self._give_up(data, f"dynamic shapes: more than {MAX_SIGNATURES} distinct "
+                                       f"batch signatures (shapes, dtypes, optimizer numbers)")
+        if self.seen[key] <= self.warmup:
+            return self._warm_up(tree.pack_sequence_as(data, flat),
+                                 check=self.seen[key] == self.warmup)
+        try:
+            captured = self._capture(data, flat)
+        except Exception as error:  # noqa: BLE001 - any failure: eager, with the reason
+            return self._give_up(data, f"capture failed ({type(error).__name__}: "
+                                       f"{str(error).splitlines()[0] if str(error) else ''})")
+        self.graphs[key] = captured
+        self.counts["captured"] += 1
+        self.counts["replayed"] += 1
+        while len(self.graphs) > CACHE_SIZE:
+            self.graphs.popitem(last=False)
+        return captured.replay(flat)  # capture records the step; replay runs it
+
+    def _give_up(self, data, reason: str):
+        self.fallback = reason
+        self.graphs.clear()
+        # A capture that broke off mid-backward left gradient buckets half counted.
+        from mgpu_launch.engines import get_engine_or_default
+        watched = getattr(get_engine_or_default(), "_watched", None)
+        if watched is not None:
+            watched._reset()
+        _warn(reason, self.is_chief)
+        self.counts["eager"] += 1
+        return self.eager_step(data)
+
+    def _warm_up(self, data, check: bool):
+        import torch
+        self.counts["eager"] += 1
+        current = torch.cuda.current_stream()
+        self.side.wait_stream(current)
+        with torch.cuda.stream(self.side):
+            with _Stepping():
+                if check:
+                    logs, syncs = _with_sync_check(lambda: self.eager_step(data))
+                else:
+                    logs, syncs = self.eager_step(data), []
+        current.wait_stream(self.side)
+        if syncs:
+            self.sync_sites = sorted(set(syncs))
+            self.fallback = (f"the step reads a device value on the host ({syncs[0]}; "
+                             f"{len(self.sync_sites)} place(s) in all); a "
+                             f"metric or loss that calls .item()/float(), or a Python branch "
+                             f"on a tensor, cannot be captured")
+            _warn(self.fallback, self.is_chief)
+        return logs
+
+    def _capture(self, data, flat):
+        import torch
+        from keras import tree
+
+        inputs = [torch.empty_like(x) if isinstance(x, torch.Tensor) else None for x in flat]
+        for static, value in zip(inputs, flat):
+            if static is not None:
+                static.copy_(value)
+        static_data = tree.pack_sequence_as(
+            data, [s if s is not None else v for s, v in zip(inputs, flat)])
+        graph = torch.cuda.CUDAGraph()
+        self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.graph(graph, stream=self.side, capture_error_mode="thread_local"), \
+                _Stepping():
+            outputs = self.eager_step(static_data)
+        return _Captured(graph, inputs, outputs)
+
+
+def _to_device(value):
+    """A batch leaf as the device tensor Keras would make of it (numpy included)."""
+    if value is None or isinstance(value, (int, float, bool, str)):
+        return value
+    from keras.src.backend.torch.core import convert_to_tensor
+    return convert_to_tensor(value)
+
+
+def _with_sync_check(step):
+    """Run `step()` with torch's sync debug mode on; return its result and the syncs seen.
+
+    Only this thread's warnings count (the prefetch thread synchronises its own stream).
+    """
+    import torch
+
+    import traceback
+
+    found, me = [], threading.get_ident()
+    previous_mode = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        shown = warnings.showwarning
+
+        def record(message, category, filename, lineno, file=None, line=None):
+            if _SYNC_MESSAGE in str(message) and threading.get_ident() == me:
+                found.append(_where(traceback.extract_stack()[:-1], f"{filename}:{lineno}"))
+            elif _SYNC_MESSAGE not in str(message):
+                shown(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = step()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous_mode)
+    return result, found
+
+
+def _where(stack, fallback: str) -> str:
+    """The innermost frames of `stack` outside torch, warnings and this module: where a
+    synchronising call came from (the Keras function that made it, and its caller)."""
+    skip = ("/torch/", "warnings.py", "torch_graph.py", "keras_patches.py",
+            "/keras/src/backend/torch/core.py")
+    frames = [f for f in stack if not any(part in f.filename for part in skip)]
+    if not frames:
+        return fallback
+    return " <- ".join(f"{f.filename.rsplit('/site-packages/', 1)[-1]}:{f.lineno} ({f.name})"
+                       for f in reversed(frames[-2:]))
+
+
+def _allow_device_learning_rate(optimizer) -> None:
+    """Let the torch SGD update take the learning rate as a device tensor (no ``.item()``).
+
+    Keras's torch SGD passes the rate as ``alpha=`` of ``_foreach_add_``, which reads it on the
+    host every step; ``mgpu_launch.keras_patches`` gives SGD a form without that read, used
+    where this flag is set.
+    """
+    for owner in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if owner is not None:
+            owner._mgpu_device_learning_rate = True
