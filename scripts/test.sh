@@ -3,7 +3,8 @@
 # Installs the package with its test and backend extras into the current Python, then runs
 # the suite for each Keras backend in MGPU_TEST_BACKENDS (default: every backend with an
 # engine): everything under the first, then only the tests marked `backend` under the others.
-# Extra arguments go to pytest.
+# The tests marked `cluster` (root, namespaces, Slurm) are left out: scripts/test_cluster.sh
+# runs them. Extra arguments go to pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
@@ -21,7 +22,7 @@ done
 PYTHON=$python scripts/install.sh "$extras" || exit 1
 
 status=0
-select=()
+select=(-m "not cluster")
 for backend in $backends; do
   echo "=== KERAS_BACKEND=$backend ${select[*]}"
   KERAS_BACKEND=$backend "$python" -m pytest -q "${select[@]}" "$@"
@@ -31,6 +32,6 @@ for backend in $backends; do
   elif [ "$rc" -ne 0 ]; then
     status=$rc
   fi
-  select=(-m backend)
+  select=(-m "backend and not cluster")
 done
 exit $status

@@ -1,0 +1,193 @@
+"""Multi-host runs on a real 2-node cluster built on this machine (scripts/cluster.sh).
+
+node1 and node2 are network + UTS + mount namespaces joined by a bridge, each with its own
+sshd; every job is started from node1 with ``mgpu-train -H node1:2,node2:2`` (or
+``--hostfile``), so Open MPI reaches node2 over ssh and the frameworks talk over the veth
+addresses, exactly as between two machines. Both nodes' /etc/hosts map their own name to
+127.0.1.1, as Debian's does.
+
+Marked ``cluster``: they need root, network namespaces and openssh-server
+(scripts/install_cluster_deps.sh), and FAIL when the cluster cannot be built. The exactness
+test is also marked ``backend`` (run once per Keras backend: TF gRPC ring, JAX gloo, torch gloo).
+"""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, SCRIPTS, explain, job_env
+
+pytestmark = pytest.mark.cluster
+
+CLUSTER_SH = os.path.join(ROOT, "scripts", "cluster.sh")
+REPORT = os.path.join(SCRIPTS, "report.py")
+FAIL = os.path.join(SCRIPTS, "fail.py")
+HOSTS = ("-np", "4", "-H", "node1:2,node2:2")
+#: rank -> node with -H node1:2,node2:2 (Open MPI fills each host's slots in order)
+NODE_OF = {0: "node1", 1: "node1", 2: "node2", 3: "node2"}
+
+
+class Cluster:
+    """A running scripts/cluster.sh cluster: run commands on its nodes, list their processes."""
+
+    def __init__(self, directory):
+        self.directory = str(directory)
+
+    def command(self, node, *argv):
+        return [CLUSTER_SH, "exec", self.directory, node, *argv]
+
+    def mgpu_train(self, *argv, timeout=300, **env):
+        """Run ``mgpu-train argv...`` on node1; returns the CompletedProcess."""
+        return subprocess.run(self.command("node1", sys.executable, "-m", "mgpu_launcher", *argv),
+                              cwd=ROOT, env=job_env(**env), capture_output=True, text=True,
+                              timeout=timeout)
+
+    def leftovers(self):
+        """Every process still running on either node, besides its sshd (``ps`` lines)."""
+        found = []
+        for node in ("node1", "node2"):
+            pids = subprocess.run([CLUSTER_SH, "pids", self.directory, node], check=True,
+                                  capture_output=True, text=True, timeout=30).stdout.split()
+            if pids:
+                ps = subprocess.run(["ps", "-o", "pid,args", "-p", ",".join(pids)],
+                                    capture_output=True, text=True, timeout=30).stdout
+                found += [f"{node}: {line}" for line in ps.splitlines()[1:]]
+        return found
+
+    def wait_until_empty(self, seconds=15):
+        deadline = time.monotonic() + seconds
+        while (left := self.leftovers()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return left
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """A 2-node cluster for the session; torn down after it (also on failure and Ctrl-C)."""
+    directory = tmp_path_factory.mktemp("cluster")
+    try:
+        up = subprocess.run([CLUSTER_SH, "up", str(directory)], capture_output=True, text=True,
+                            timeout=120)
+    except subprocess.TimeoutExpired as error:
+        subprocess.run([CLUSTER_SH, "down", str(directory)], timeout=60)
+        pytest.fail(f"scripts/cluster.sh up did not finish in 120 s: {error}")
+    if up.returncode != 0:
+        pytest.fail("cannot build the 2-node cluster (needs root, network namespaces and "
+                    f"scripts/install_cluster_deps.sh):\n{up.stdout}{up.stderr}")
+    try:
+        yield Cluster(directory)
+    finally:
+        subprocess.run([CLUSTER_SH, "down", str(directory)], timeout=60)
+
+
+def _reports(directory, size):
+    return [json.loads((directory / f"rank.{rank}.json").read_text()) for rank in range(size)]
+
+
+def _check_placement(reports):
+    for report in reports:
+        rank = report["rank"]
+        assert report["host"] == NODE_OF[rank], report
+        assert (report["local_rank"], report["local_size"]) == (rank % 2, 2), report
+        assert (report["cross_rank"], report["cross_size"]) == (rank // 2, 2), report
+        assert report["average"] == 2.5  # (1 + 2 + 3 + 4) / 4 over MPI, across the nodes
+
+
+def test_hosts_start_two_ranks_on_each_node(cluster, tmp_path):
+    result = cluster.mgpu_train(*HOSTS, REPORT, str(tmp_path), MGPU_ENGINE="none")
+    assert result.returncode == 0, explain(result)
+    _check_placement(_reports(tmp_path, 4))
+
+
+def test_hostfile_starts_two_ranks_on_each_node_without_the_env_on_the_remote_path(
+        cluster, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# the README's format\nnode1 slots=2\nnode2 slots=2\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    # node2's ssh sessions get no shell start-up file: PATH is the bare system one, without
+    # this Python's bin/ (mpirun, prted). mgpu-train must not depend on it.
+    bashrc = os.path.expanduser("~/.bashrc")
+    blanked = os.path.exists(bashrc)
+    if blanked:
+        subprocess.run(cluster.command("node2", "mount", "--bind", "/dev/null", bashrc),
+                       check=True, timeout=30)
+    try:
+        found = subprocess.run(cluster.command("node1", "ssh", "node2", "command -v prted"),
+                               capture_output=True, text=True, timeout=30)
+        assert found.returncode != 0, f"prted is on node2's ssh PATH: {found.stdout}"
+        result = cluster.mgpu_train("-np", "4", "--hostfile", str(hostfile), REPORT, str(out),
+                                    MGPU_ENGINE="none")
+    finally:
+        if blanked:
+            subprocess.run(cluster.command("node2", "umount", bashrc), timeout=30)
+    assert result.returncode == 0, explain(result)
+    _check_placement(_reports(out, 4))
+
+
+@pytest.mark.backend
+def test_four_ranks_on_two_nodes_equal_one_process_with_the_global_batch(cluster,
+                                                                        tmp_path_factory):
+    """THE exactness check across a network: 2 nodes x 2 ranks x batch 2 == 1 x batch 8."""
+    from test_training import BACKEND, QUIET, TRAIN, assert_ranks_identical, assert_same, train
+
+    pytest.importorskip(BACKEND)
+    expected = train(tmp_path_factory, {"plain": True})[0][0]
+    out = tmp_path_factory.mktemp("cluster_run")
+    result = cluster.mgpu_train(*HOSTS, TRAIN, json.dumps({}), str(out), **QUIET)
+    assert result.returncode == 0, explain(result)
+    weights = [[array for _, array in sorted(np.load(out / f"rank.{rank}.npz").items(),
+                                             key=lambda item: int(item[0].split("_")[1]))]
+               for rank in range(4)]
+    assert_ranks_identical(weights)
+    assert_same(weights[0], expected)
+
+
+@pytest.mark.parametrize("how, cause", [
+    ("raise", "rank 3 failed first: RuntimeError: boom on purpose from rank 3 (exit code 1)"),
+    ("signal", "rank 3 failed first: killed by signal 9 (SIGKILL)"),
+])
+def test_a_failing_rank_on_node2_ends_the_job_on_both_nodes(cluster, tmp_path, how, cause):
+    failed_at = tmp_path / "failed_at"
+    result = cluster.mgpu_train(*HOSTS, FAIL, how, "3", str(failed_at),
+                                timeout=120, MGPU_ENGINE="none")
+    ended = time.time()
+    assert result.returncode != 0, explain(result)
+    assert cause in result.stderr, explain(result)
+    summary = result.stderr[result.stderr.index("mgpu-train: the job failed"):]
+    if how == "raise":  # node2's traceback, relayed to node1's console and into the summary
+        assert "Traceback" in summary and "fail.py" in summary, summary
+    took = ended - float(failed_at.read_text())
+    assert took < 15, f"the job took {took:.1f} s to end after rank 3 failed\n{explain(result)}"
+    assert not cluster.wait_until_empty(5), "processes left behind"
+
+
+def test_ctrl_c_on_the_launcher_cleans_both_nodes(cluster, tmp_path):
+    pidfile = str(tmp_path / "pid")
+    proc = subprocess.Popen(
+        cluster.command("node1", sys.executable, "-m", "mgpu_launcher", *HOSTS,
+                        FAIL, "hang", "99", pidfile),
+        cwd=ROOT, env=job_env(MGPU_ENGINE="none"), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while len(glob.glob(pidfile + ".*")) < 4:
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        ranks = cluster.leftovers()
+        assert sum("node2" in line for line in ranks) >= 2, ranks  # really spread over both
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends (cluster.sh exec execs mgpu-train)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "got SIGINT, stopping every rank" in err
+    assert not cluster.wait_until_empty(15), "processes left behind"
