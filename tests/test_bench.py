@@ -52,6 +52,7 @@ def test_cpu_run_writes_the_table_the_json_and_the_plot(tmp_path):
     (["--cpu", "--steps", "2", "--window", "5"], "need at least one timed window"),
     (["--cpu", "--native"], "the native reference is torchvision ResNet-50 on GPUs"),
     (["--gpus", "1,2,64"], "asked for 64 GPUs, but this machine shows"),
+    (["--cpu", "--cuda-graph", "0,on"], "unknown on; expected one or more of: 0, 1"),
 ])
 def test_bad_arguments_exit_2_and_say_why(argv, message):
     result = bench(*argv, timeout=60)
@@ -68,3 +69,22 @@ def test_a_job_past_its_timeout_is_killed_reported_and_the_rest_still_written(tm
     assert json.loads((tmp_path / "results.json").read_text())["rows"] == []
     assert "killed after 1 s" in (tmp_path / "logs" / f"{BACKEND}-mlp-tiny-float32-np1.log"
                                   ).read_text()
+
+
+@requires_mpirun
+def test_profile_gives_every_rank_its_breakdown_and_uint8_pixels_feed(tmp_path):
+    pytest.importorskip(BACKEND)
+    result = bench("--cpu", "--gpus", "2", "--model", "mlp-tiny", "--steps", "5",
+                   "--backend", BACKEND, "--data", "host-uint8", "--profile",
+                   "--out", str(tmp_path))
+    assert result.returncode == 0, explain(result)
+    (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert row["data"] == "host-uint8" and row["img_per_sec"] > 0
+    profile = row["per_rank_profile"]
+    assert len(profile) == 2
+    for rank in profile:
+        assert rank["step_ms"] > 0 and rank["input_ms"] >= 0 and rank["wait_ms"] >= 0
+        if BACKEND == "jax":  # the allreduce can be left out of the step: comm is split off
+            assert rank["compute_ms"] > 0 and "comm_ms" in rank
+    assert min(rank["wait_ms"] for rank in profile) < 1.0  # someone is the last to arrive
+    assert "Where the step time goes" in (tmp_path / "results.md").read_text()

@@ -18,6 +18,8 @@ Input (``--data``; several give several rows from one compiled model):
   device  one batch already on the device, every step (input feeding excluded);
   host    numpy batches from a PyDataset, copied to the device by Keras (and by mgpu's
           prefetch thread unless ``--prefetch 0``);
+  host-uint8  the same as uint8 pixels (a quarter of the bytes), cast to the model's float
+          input inside the compiled step, on the device: what image pipelines ship;
   numpy   ``fit(x, y, batch_size=...)`` on in-memory arrays, shuffled: Keras slices every batch.
 
 ``--native`` adds torchvision ResNet-50 + DistributedDataParallel (data on the device) as the
@@ -46,7 +48,7 @@ from mgpu_launch.bench.models import MODELS
 
 BACKENDS = ("tensorflow", "jax", "torch", "native")
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
-DATA_MODES = ("device", "host", "numpy")
+DATA_MODES = ("device", "host", "host-uint8", "numpy")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -72,12 +74,22 @@ def get_parser() -> argparse.ArgumentParser:
     add("--steps", type=int, default=40, help="timed steps (default: %(default)s)")
     add("--warmup-steps", type=int, default=10, help="untimed steps first (default: %(default)s)")
     add("--window", type=int, default=5, help="steps per timing window (default: %(default)s)")
-    add("--data", default="host", help="comma-separated input modes, of: device, host, numpy")
+    add("--data", default="host",
+        help=f"comma-separated input modes, of: {', '.join(DATA_MODES)}")
     add("--prefetch", default="2",
         help="comma-separated MGPU_PREFETCH depths (0 = Keras's own feeding; default: 2)")
+    add("--cuda-graph", default="0",
+        help="torch backend: comma-separated MGPU_TORCH_CUDA_GRAPH values; 0,1 measures the "
+             "eager step and the step captured in a CUDA graph in the same job (default: 0)")
     add("--native", action="store_true",
         help="also run torchvision ResNet-50 + DDP (needs torch, torchvision and GPUs); "
              "the same as adding native to --backend")
+    add("--compression", default="none", choices=["none", "fp16", "bf16"],
+        help="the gradients' wire format (mgpu.Compression; default: %(default)s)")
+    add("--profile", action="store_true",
+        help="per rank, where the step time goes: input, waiting for other ranks, step, and "
+             "(JAX) the exposed allreduce; an extra fit per input mode "
+             "(mgpu_launch/bench/profile.py)")
     add("--cpu", action="store_true",
         help="run on CPU processes (no GPU needed; use a small model such as mlp-tiny)")
     add("--timeout", type=float, default=900, help="seconds per job (default: %(default)s)")
@@ -109,6 +121,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.gpu_counts = sorted(set(_split(parser, "--gpus", args.gpus, kind=int)))
     args.data_modes = _split(parser, "--data", args.data, DATA_MODES)
     args.prefetch_depths = _split(parser, "--prefetch", args.prefetch, kind=int)
+    args.cuda_graphs = _split(parser, "--cuda-graph", args.cuda_graph, ("0", "1"))
     if min(args.gpu_counts) < 1 or min(args.prefetch_depths) < 0:
         parser.error(f"--gpus {args.gpus!r} / --prefetch {args.prefetch!r}: expected process "
                      f"counts >= 1 and prefetch depths >= 0")
@@ -138,9 +151,14 @@ def _job(args, backend: str, model: str, precision: str, gpus: int, result: str)
               "--precision", precision, "--steps", str(args.steps),
               "--warmup-steps", str(args.warmup_steps), "--window", str(args.window),
               "--data", ",".join(args.data_modes),
-              "--prefetch", ",".join(map(str, args.prefetch_depths))]
+              "--prefetch", ",".join(map(str, args.prefetch_depths)),
+              "--cuda-graph", ",".join(args.cuda_graphs)]
     if args.batch_per_gpu:
         worker += ["--batch-per-gpu", str(args.batch_per_gpu)]
+    if args.profile:
+        worker.append("--profile")
+    if args.compression != "none":
+        worker += ["--compression", args.compression]
     if backend == "native":
         worker[1] = "mgpu_launch.bench.native"
     return [sys.executable, "-m", "mgpu_launcher", "-np", str(gpus)] + worker
@@ -209,8 +227,12 @@ def run_all(args) -> int:
         measured = report.load(result)
         workers.setdefault(backend, measured)
         for row in measured["rows"]:
-            rows.append(dict(row, backend=backend, precision=precision, gpus=gpus))
-            print(f"    {row['data']}, prefetch {row['prefetch']}: "
+            shown = backend
+            if row.get("cuda_graph"):  # say so when the step could not be captured
+                replayed = (row.get("cuda_graph_steps") or {}).get("replayed", 0)
+                shown += "+cudagraph" if replayed else "+cudagraph-fell-back"
+            rows.append(dict(row, backend=shown, precision=precision, gpus=gpus))
+            print(f"    {shown} {row['data']}, prefetch {row['prefetch']}: "
                   f"{row['img_per_sec']:.0f} img/s", flush=True)
         print(f"    done in {time.monotonic() - started:.0f} s", flush=True)
         if number < len(jobs):  # keep what is measured if the invocation is cut short

@@ -71,7 +71,27 @@ def markdown(header: dict, rows: List[dict]) -> str:
         lines.append(f"| {r['backend']} | {r['model']} | {r['precision']} | {r['data']} | "
                      f"{prefetch} | {r['batch_per_gpu']} | {r['gpus']} | "
                      f"{r['img_per_sec']:.0f} | {per_rank} | {speedup} | {eff} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + profile_table(rows)) + "\n"
+
+
+PROFILE_COLUMNS = ("input_ms", "wait_ms", "step_ms", "compute_ms", "comm_ms")
+
+
+def profile_table(rows: List[dict]) -> List[str]:
+    """Markdown lines of ``--profile``'s per-rank breakdown (none without profiled rows)."""
+    profiled = [r for r in rows if r.get("per_rank_profile")]
+    if not profiled:
+        return []
+    lines = ["", "Where the step time goes (`--profile`: every step waited for; medians, ms; "
+             "see mgpu_launch/bench/profile.py):", "",
+             "| backend | precision | data | gpus | rank | " + " | ".join(PROFILE_COLUMNS) + " |",
+             "|" + "---|" * (5 + len(PROFILE_COLUMNS))]
+    for r in profiled:
+        for rank, p in enumerate(r["per_rank_profile"]):
+            values = " | ".join(str(p.get(c, "-")) for c in PROFILE_COLUMNS)
+            lines.append(f"| {r['backend']} | {r['precision']} | {r['data']} | {r['gpus']} | "
+                         f"{rank} | {values} |")
+    return lines
 
 
 def plot(path: str, rows: List[dict], title: str) -> None:

@@ -16,6 +16,7 @@ import statistics
 import time
 
 import mgpu_launch as mgpu
+from mgpu_launch.bench import profile
 from mgpu_launch.bench.models import MODELS
 
 
@@ -30,6 +31,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--window", type=int, default=5)
     parser.add_argument("--data", default="host")
     parser.add_argument("--prefetch", default="2")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"])
+    parser.add_argument("--cuda-graph", default="0",
+                        help="torch: comma-separated MGPU_TORCH_CUDA_GRAPH values (0, 1)")
     return parser.parse_args(argv)
 
 
@@ -50,21 +55,25 @@ def main(argv=None) -> None:
     started = time.monotonic()
     model = spec.build(keras)
     model.compile(optimizer=mgpu.DistributedOptimizer(
-        keras.optimizers.SGD(mgpu.scale_lr(0.0125), momentum=0.9)),
+        keras.optimizers.SGD(mgpu.scale_lr(0.0125), momentum=0.9),
+        compression=getattr(mgpu.Compression, args.compression)),
         loss="sparse_categorical_crossentropy")
     rng = np.random.default_rng(mgpu.rank())
     host = [(rng.random((batch,) + spec.input_shape, dtype=np.float32),
              rng.integers(0, spec.classes, (batch,)).astype("int32")) for _ in range(4)]
+    # what image pipelines ship: uint8 pixels, a quarter of the bytes; the model's float input
+    # layer casts them inside the compiled step, on the device
+    host_uint8 = [((x * 255).astype(np.uint8), y) for x, y in host]
     total = args.warmup_steps + args.steps
     progress(f"{args.model} built ({model.count_params() / 1e6:.2f}M parameters) in "
              f"{time.monotonic() - started:.0f} s; {total} steps per input mode, batch "
              f"{batch} per process")
 
     class Batches(keras.utils.PyDataset):
-        def __init__(self, on_device: bool):
+        def __init__(self, mode: str):
             super().__init__()
-            self.batches = ([tuple(keras.ops.convert_to_tensor(a) for a in host[0])]
-                            if on_device else host)
+            self.batches = {"device": [tuple(keras.ops.convert_to_tensor(a) for a in host[0])],
+                            "host": host, "host-uint8": host_uint8}[mode]
 
         def __len__(self):
             return total
@@ -85,8 +94,7 @@ def main(argv=None) -> None:
                 if done == 0 or step + 1 == total:
                     progress(f"  step {step + 1}/{total}")
 
-    def fit(mode: str) -> dict:
-        timer = WindowTimer()
+    def fit(mode: str, timer) -> None:
         if mode == "numpy":
             x = np.empty((total * batch,) + spec.input_shape, np.float32)
             y = np.empty((total * batch,), np.int32)
@@ -96,26 +104,112 @@ def main(argv=None) -> None:
             model.fit(x, y, batch_size=batch, epochs=1, shuffle=True, verbose=0,
                       callbacks=[timer])
         else:
-            model.fit(Batches(mode == "device"), epochs=1, verbose=0, callbacks=[timer])
+            model.fit(Batches(mode), epochs=1, verbose=0, callbacks=[timer])
+
+    def rate(mode: str) -> float:
+        timer = WindowTimer()
+        step_timer.reset()
+        fit(mode, timer)
         return statistics.median(args.window * batch / (t1 - t0)
                                  for t0, t1 in zip(timer.stamps, timer.stamps[1:]))
 
+    def profiled(mode: str) -> dict:
+        """Per rank input / wait / step ms (and compute ms where the allreduce can be left out)."""
+        clock = profile.make_callback(keras, args.warmup_steps)
+        fit(mode, clock)
+        ranks = profile.breakdown(clock.steps)
+        if profile.skip_allreduce(model, True):
+            progress(f"data {mode}: profile without the allreduce (recompiles)")
+            alone = profile.make_callback(keras, args.warmup_steps)
+            fit(mode, alone)
+            profile.skip_allreduce(model, False)
+            for mine, without in zip(ranks, profile.breakdown(alone.steps)):
+                mine["compute_ms"] = without["own_ms"]
+                mine["comm_ms"] = round(mine["step_ms"] - without["own_ms"], 2)
+        return {"per_rank_profile": ranks}
+
     rows = []
-    for mode in args.data.split(","):
-        depths = [int(d) for d in args.prefetch.split(",")]
-        for depth in depths[:1] if mode == "device" else depths:
-            os.environ["MGPU_PREFETCH"] = str(depth)
-            progress(f"data {mode}, prefetch {depth}: fit")
-            per_rank = mgpu.allgather_object(fit(mode))
-            rows.append({"model": args.model, "data": mode, "prefetch": depth,
-                         "batch_per_gpu": batch, "params": model.count_params(),
-                         "img_per_sec": round(sum(per_rank), 1),
-                         "per_rank_img_per_sec": [round(r, 1) for r in per_rank]})
-            progress(f"data {mode}, prefetch {depth}: {sum(per_rank):.0f} img/s")
+    step_timer = StepTimer(keras.backend.backend())
+    graphs = args.cuda_graph.split(",") if keras.backend.backend() == "torch" else ["0"]
+    for graph in graphs:
+        os.environ["MGPU_TORCH_CUDA_GRAPH"] = graph
+        model.make_train_function(force=True)
+        graphed = model.train_function  # a GraphedTrainStep when capture is on (torch)
+        model.train_function = step_timer.wrap(graphed)
+        for mode in args.data.split(","):
+            depths = [int(d) for d in args.prefetch.split(",")]
+            for depth in depths[:1] if mode == "device" else depths:
+                os.environ["MGPU_PREFETCH"] = str(depth)
+                progress(f"data {mode}, prefetch {depth}, cuda graph {graph}: fit")
+                per_rank = mgpu.allgather_object(rate(mode))
+                host_ms, device_ms = step_timer.medians()
+                rows.append({"model": args.model, "data": mode, "prefetch": depth,
+                             "compression": args.compression,
+                             "batch_per_gpu": batch, "params": model.count_params(),
+                             "img_per_sec": round(sum(per_rank), 1),
+                             "per_rank_img_per_sec": [round(r, 1) for r in per_rank],
+                             "cuda_graph": graph == "1",
+                             "cuda_graph_steps": dict(getattr(graphed, "counts", {})),
+                             "cuda_graph_fallback": getattr(graphed, "fallback", None),
+                             "step_ms": round(1000 * batch * len(per_rank) / sum(per_rank), 2),
+                             "train_function_host_ms": host_ms,
+                             "train_function_device_ms": device_ms})
+                progress(f"data {mode}, prefetch {depth}, cuda graph {graph}: "
+                         f"{sum(per_rank):.0f} img/s; in the train function {host_ms} ms host, "
+                         f"{device_ms} ms device per step")
+                if args.profile:
+                    progress(f"data {mode}, prefetch {depth}: profile, every step waited for")
+                    rows[-1].update(profiled(mode))
+                    model.train_function = step_timer.wrap(graphed)
+                    progress(f"data {mode}, prefetch {depth}: profile " + "; ".join(
+                        f"rank {r}: " + ", ".join(f"{k} {v}" for k, v in p.items())
+                        for r, p in enumerate(rows[-1]["per_rank_profile"])))
     if mgpu.is_chief():
         with open(args.result, "w") as f:
             json.dump({"rows": rows, "versions": versions(keras), "device": device_name(keras)},
                       f)
+
+
+class StepTimer:
+    """Per step: wall time inside Keras's train function, and (torch on GPU) the device time
+    between CUDA events recorded around it -- where a step's time goes."""
+
+    def __init__(self, backend: str):
+        self.cuda = False
+        if backend == "torch":
+            import torch
+            self.cuda = torch.cuda.is_available()
+        self.reset()
+
+    def reset(self):
+        self.host, self.events = [], []
+
+    def wrap(self, function):
+        def timed(data):
+            started = time.perf_counter()
+            if self.cuda:
+                import torch
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                    enable_timing=True)
+                begin.record()
+            logs = function(data)
+            if self.cuda:
+                end.record()
+                self.events.append((begin, end))
+            self.host.append(time.perf_counter() - started)
+            return logs
+        return timed
+
+    def medians(self):
+        """(host ms, device ms or None), medians over the second half of the steps."""
+        host = self.host[len(self.host) // 2:]
+        host_ms = round(1000 * statistics.median(host), 2) if host else None
+        if not self.events:
+            return host_ms, None
+        import torch
+        torch.cuda.synchronize()
+        events = self.events[len(self.events) // 2:]
+        return host_ms, round(statistics.median(b.elapsed_time(e) for b, e in events), 2)
 
 
 def versions(keras) -> dict:
