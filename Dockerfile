@@ -12,9 +12,16 @@
 # --ipc=host (or a large --shm-size): Open MPI and NCCL pass data between the processes of one
 # host through shared memory, and Docker's default /dev/shm is 64 MB.
 
-# CUDA 12 runtime libraries, cuDNN 9 and NCCL, as TensorFlow 2.21's GPU build expects
-# (CUDA >= 12.5, < 13; cuDNN >= 9.3). Ubuntu 24.04 brings Python 3.12.
-FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+# BASE_IMAGE: by default CUDA 12 runtime libraries, cuDNN 9 and NCCL, as TensorFlow 2.21's GPU
+# build expects (CUDA >= 12.5, < 13; cuDNN >= 9.3); Ubuntu 24.04 brings Python 3.12. Any
+# Debian/Ubuntu image with python3 >= 3.10 in its apt sources works, e.g. a CPU-only image:
+#   docker build --build-arg BASE_IMAGE=ubuntu:24.04 --build-arg EXTRA=tensorflow-cpu .
+# EXTRA: the package extra scripts/install.sh installs (tensorflow, tensorflow-cpu, jax, torch);
+# KERAS_BACKEND: the backend the image runs (tensorflow, jax or torch, to match EXTRA).
+ARG BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+FROM ${BASE_IMAGE}
+ARG EXTRA=tensorflow
+ARG KERAS_BACKEND=tensorflow
 
 # PIP_NO_CACHE_DIR keeps pip's download cache out of the layer (scripts/install.sh stays as CI
 # runs it). openssh-client: mpirun starts ranks on other hosts over ssh.
@@ -23,12 +30,18 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH \
-    KERAS_BACKEND=tensorflow
+    KERAS_BACKEND=${KERAS_BACKEND}
 
+# Not root (the user is created here, in the same layer): Open MPI refuses root without
+# --allow-run-as-root, and a container needs no root. A numeric id above the images' own users
+# (Ubuntu 24.04 has uid 1000) so `USER` resolves without the image's /etc/passwd.
+# Versions are not pinned: they come from whichever BASE_IMAGE's apt sources.
+# hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv openssh-client \
  && rm -rf /var/lib/apt/lists/* \
- && python3 -m venv /opt/venv
+ && python3 -m venv /opt/venv \
+ && useradd --create-home --uid 10001 --shell /bin/bash mgpu
 
 # Only what the package needs (and the examples), so edits elsewhere keep the cache.
 WORKDIR /opt/mgpu-launch
@@ -37,11 +50,9 @@ COPY scripts/install.sh scripts/
 COPY launcher/ launcher/
 COPY mgpu_launch/ mgpu_launch/
 COPY examples/ examples/
-RUN PYTHON=/opt/venv/bin/python scripts/install.sh tensorflow
+RUN PYTHON=/opt/venv/bin/python scripts/install.sh "${EXTRA}"
 
-# Not root: Open MPI refuses root without --allow-run-as-root, and a container needs no root.
-RUN useradd --create-home --shell /bin/bash mgpu
-USER mgpu
+USER 10001
 WORKDIR /home/mgpu
 
 ENTRYPOINT ["mgpu-train"]

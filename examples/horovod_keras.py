@@ -5,8 +5,8 @@
 
 The shape of Horovod's examples/tensorflow2/tensorflow2_keras_mnist.py, line for line, on the
 8x8 digits that ship with scikit-learn instead of a download of MNIST. TensorFlow backend only
-(it uses tf.data and tf.keras, as Horovod's script does). What differs on Keras 3, and why: the
-README's "Migrating from Horovod". The two Keras 2 habits kept here on purpose are harmless on
+(it uses tf.data and tf.keras, as Horovod's script does). What differs on Keras 3, and why:
+docs/horovod-migration.md. The two Keras 2 habits kept here on purpose are harmless on
 this CPU example; on a GPU machine delete the marked pinning lines (the launcher already gives
 each process one GPU), and prefer .keras checkpoints over .h5.
 """

@@ -24,6 +24,8 @@ parser.add_argument("--batch-size", type=int, default=32, help="per process")
 parser.add_argument("--base-lr", type=float, default=0.02, help="for one process")
 parser.add_argument("--warmup-epochs", type=int, default=5)
 parser.add_argument("--checkpoint", default="checkpoints/digits.keras")
+parser.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"],
+                    help="the gradients' wire format (mgpu.Compression)")
 args = parser.parse_args()
 
 digits = load_digits()
@@ -39,7 +41,9 @@ keras.utils.set_random_seed(42)
 model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"),
                           keras.layers.Dense(10)])
 lr = mgpu.scale_lr(args.base_lr)
-model.compile(optimizer=mgpu.DistributedOptimizer(keras.optimizers.SGD(lr, momentum=0.9)),
+model.compile(optimizer=mgpu.DistributedOptimizer(keras.optimizers.SGD(lr, momentum=0.9),
+                                                compression=getattr(mgpu.Compression,
+                                                                    args.compression)),
               loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
               metrics=["accuracy"])
 callbacks = [mgpu.callbacks.BroadcastGlobalVariablesCallback(0),

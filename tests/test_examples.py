@@ -102,3 +102,20 @@ def test_horovod_style_script_runs_with_only_its_import_changed(tmp_path):
     with open(os.path.join(ROOT, "examples", "horovod_keras.py")) as script:
         source = script.read()
     assert "import mgpu_launch.keras as hvd" in source and "import mgpu_launch as" not in source
+
+
+def test_train_on_two_processes_then_serve_on_one(tmp_path):
+    pytest.importorskip("sklearn")
+    out = tmp_path / "served"
+    trained = launch("-np", "2", "examples/train_and_serve.py", "train", "--out", str(out),
+                     "--epochs", "2", timeout=300, **ENV)
+    assert trained.returncode == 0, explain(trained)
+    assert "rank 0 wrote" in trained.stdout and "(2 processes trained it)" in trained.stdout
+    served = subprocess.run([sys.executable, "examples/train_and_serve.py", "serve", "--out",
+                             str(out)], cwd=ROOT, env=job_env(**ENV), capture_output=True,
+                            text=True, timeout=300)
+    assert served.returncode == 0, explain(served)
+    assert "model.keras: Adam optimizer at step " in served.stdout, explain(served)
+    if BACKEND == "tensorflow":
+        assert (out / "saved_model" / "saved_model.pb").exists()
+        assert "saved_model: the same predictions" in served.stdout, explain(served)
