@@ -38,7 +38,8 @@ Keras attribute                            backend   why
                                                      drop Keras 2's experimental_run_tf_function
 ``EpochIterator._enumerate_iterator``      all       ``callbacks.BackupAndRestore`` only, once,
                                                      after a restore: start the data at the
-                                                     backed-up epoch and batch (:func:`resume_at`)
+                                                     backed-up epoch and batch (:func:`resume_at`,
+                                                     ``mgpu_launch.epoch_resume``)
 =========================================  ========  ===========================================
 
 Entry points: :func:`install` (called by every ``DistributedOptimizer``) and
@@ -53,7 +54,7 @@ import sys
 import warnings
 from typing import Callable, Optional, Tuple
 
-from mgpu_launch import engines, fit_guard, prefetch, runtime, stall_probes
+from mgpu_launch import engines, epoch_resume, fit_guard, prefetch, runtime, stall_probes
 
 
 class KerasInternalsError(RuntimeError):
@@ -380,17 +381,6 @@ def _compile(original):
     return compile
 
 
-def _move_data_on(adapter, epochs: int) -> None:
-    dataset = getattr(adapter, "py_dataset", None)
-    if dataset is None or not epochs:
-        return  # arrays and tf.data: their order cannot be replayed (see BackupAndRestore)
-    if hasattr(dataset, "skip_epochs"):
-        dataset.skip_epochs(epochs)  # mgpu.data.shard's: jumps to that epoch's order
-        return
-    for _ in range(epochs):
-        dataset.on_epoch_end()
-
-
 def _resume_iterator(original):
     def _enumerate_iterator(self):
         global _resume
@@ -398,39 +388,7 @@ def _resume_iterator(original):
             yield from original(self)
             return
         (epochs, skip), _resume = _resume, None
-        _move_data_on(self.data_adapter, epochs)
-        steps = self.steps_per_epoch or self._num_batches or -1
-        if not skip:
-            yield from original(self)
-            return
-        if steps <= 0 or skip >= steps or skip % self.steps_per_execution:
-            raise ValueError(
-                f"BackupAndRestore: the backup was taken after batch {skip} of epoch "
-                f"{epochs + 1}, but this fit has {steps} steps per epoch with "
-                f"steps_per_execution={self.steps_per_execution}. Resume with the data and "
-                f"fit arguments of the interrupted run, or delete the backup folder.")
-        if getattr(self.data_adapter, "shuffle", None) or getattr(self.data_adapter,
-                                                                  "_shuffle", None):
-            warnings.warn(
-                "BackupAndRestore: fit(shuffle=True) reorders the batches with a random state "
-                "the restarted job cannot replay, so the resumed epoch drops the first "
-                f"{skip} batches of another order. For an exact resume pass shuffle=False to "
-                "fit and shuffle with mgpu.data.shard(..., shuffle=True, seed=...).",
-                stacklevel=2)
-        self.data_adapter.on_epoch_begin()
-        self._current_iterator = iter(self._get_iterator())
-        for _ in range(skip):  # read and drop: the order is the interrupted run's
-            next(self._current_iterator)
-        self._steps_seen = skip
-        for step in range(skip, steps, self.steps_per_execution):
-            if self._num_batches and self._steps_seen >= self._num_batches:
-                break
-            self._steps_seen += self.steps_per_execution
-            yield step, step + self.steps_per_execution - 1, self._current_iterator
-        if self._num_batches and self._steps_seen >= self._num_batches:
-            self._current_iterator = None
-            self._steps_seen = 0
-        self.data_adapter.on_epoch_end()
+        yield from epoch_resume.resumed_epoch(self, original, epochs, skip)
     return _enumerate_iterator
 
 

@@ -24,7 +24,8 @@ LAYERS = [
     ("collectives", ["mgpu_launch.collectives"]),
     ("engines", ["mgpu_launch.engines"]),
     ("Keras glue", ["mgpu_launch.fit_guard", "mgpu_launch.stall_probes",
-                    "mgpu_launch.keras_patches", "mgpu_launch.optimizer",
+                    "mgpu_launch.epoch_resume", "mgpu_launch.keras_patches",
+                    "mgpu_launch.optimizer",
                     "mgpu_launch.callbacks", "mgpu_launch.data", "mgpu_launch.keras"]),
     ("tools and public API", ["mgpu_launch.bench", "mgpu_launch"]),
 ]

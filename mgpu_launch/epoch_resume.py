@@ -1,0 +1,75 @@
+"""Start an epoch in the middle: the data order and batch numbers of an interrupted run.
+
+``callbacks.BackupAndRestore(save_freq=N)`` backs up every N steps. After a restart, the
+``EpochIterator._enumerate_iterator`` patch (``mgpu_launch.keras_patches``, installed by
+:func:`keras_patches.resume_at`) hands the first epoch of ``fit`` to :func:`resumed_epoch`,
+which moves the data on to the backed-up epoch and drops the batches already trained on.
+
+Exact for ``mgpu.data.shard`` (its shuffle is seeded per epoch, so any epoch's order can be
+rebuilt) and for data without shuffling; ``fit(shuffle=True)`` cannot be replayed and warns.
+"""
+
+import warnings
+
+
+def move_data_on(adapter, epochs: int) -> None:
+    """Put the adapter's data set at the start of epoch `epochs` (0-based), where it can."""
+    dataset = getattr(adapter, "py_dataset", None)
+    if dataset is None or not epochs:
+        return  # arrays and tf.data: their order cannot be replayed (see BackupAndRestore)
+    if hasattr(dataset, "skip_epochs"):
+        dataset.skip_epochs(epochs)  # mgpu.data.shard's: jumps to that epoch's order
+        return
+    for _ in range(epochs):
+        dataset.on_epoch_end()
+
+
+def resumed_epoch(iterator, original, epochs: int, skip: int):
+    """Yield what ``EpochIterator._enumerate_iterator`` yields, from batch `skip` on.
+
+    Args:
+        iterator: the Keras ``EpochIterator`` of the ``fit`` that resumes.
+        original: Keras's own ``_enumerate_iterator`` (used when nothing is skipped).
+        epochs: epochs finished before the backup.
+        skip: batches of the next epoch finished before the backup.
+
+    Yields:
+        ``(first step, last step, batch iterator)`` as Keras's does, numbered from `skip`.
+
+    Raises:
+        ValueError: `skip` does not fit this ``fit``'s steps per epoch or steps per execution.
+    """
+    move_data_on(iterator.data_adapter, epochs)
+    steps = iterator.steps_per_epoch or iterator._num_batches or -1
+    per_call = iterator.steps_per_execution
+    if not skip:
+        yield from original(iterator)
+        return
+    if steps <= 0 or skip >= steps or skip % per_call:
+        raise ValueError(
+            f"BackupAndRestore: the backup was taken after batch {skip} of epoch "
+            f"{epochs + 1}, but this fit has {steps} steps per epoch with "
+            f"steps_per_execution={per_call}. Resume with the data and fit arguments of the "
+            f"interrupted run, or delete the backup folder.")
+    adapter = iterator.data_adapter
+    if getattr(adapter, "shuffle", None) or getattr(adapter, "_shuffle", None):
+        warnings.warn(
+            "BackupAndRestore: fit(shuffle=True) reorders the batches with a random state "
+            "the restarted job cannot replay, so the resumed epoch drops the first "
+            f"{skip} batches of another order. For an exact resume pass shuffle=False to "
+            "fit and shuffle with mgpu.data.shard(..., shuffle=True, seed=...).",
+            stacklevel=3)
+    adapter.on_epoch_begin()
+    iterator._current_iterator = iter(iterator._get_iterator())
+    for _ in range(skip):  # read and drop: the order is the interrupted run's
+        next(iterator._current_iterator)
+    iterator._steps_seen = skip
+    for step in range(skip, steps, per_call):
+        if iterator._num_batches and iterator._steps_seen >= iterator._num_batches:
+            break
+        iterator._steps_seen += per_call
+        yield step, step + per_call - 1, iterator._current_iterator
+    if iterator._num_batches and iterator._steps_seen >= iterator._num_batches:
+        iterator._current_iterator = None
+        iterator._steps_seen = 0
+    adapter.on_epoch_end()
