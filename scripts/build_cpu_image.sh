@@ -3,7 +3,9 @@
 # on 2 ranks inside it. Needs root and Debian's podman, buildah (podman's builder) and
 # debootstrap:  apt-get install -y podman buildah debootstrap
 #
-#   scripts/build_cpu_image.sh     # 288 s from nothing cached on our loaded 2-core box (README, "Docker")
+#   scripts/build_cpu_image.sh     # 288 s from nothing cached on our loaded 2-core box (docs/clusters.md)
+#
+# As root on Debian/Ubuntu it installs the three tools itself when they are missing (.ci/run).
 #
 # 1. debootstrap a minimal Debian bookworm from Debian's own package mirror (the base image);
 # 2. podman import it as localhost/debian-bookworm-minbase;
@@ -28,11 +30,22 @@ cleanup() {
 }
 trap cleanup EXIT
 
+missing=()
 for tool in podman buildah debootstrap; do
-  command -v "$tool" >/dev/null || {
-    echo "scripts/build_cpu_image.sh: $tool is missing: apt-get install -y podman buildah" \
-         "debootstrap" >&2; exit 2; }
+  command -v "$tool" >/dev/null || missing+=("$tool")
 done
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; then
+    echo "scripts/build_cpu_image.sh: ${missing[*]} missing; as root on Debian/Ubuntu:" \
+         "apt-get install -y podman buildah debootstrap" >&2
+    exit 2
+  fi
+  echo "=== apt-get install ${missing[*]}"
+  DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+    "${missing[@]}" >/dev/null
+fi
+start=$SECONDS
 
 echo "=== debootstrap bookworm from $mirror"
 debootstrap --variant=minbase bookworm "$work/rootfs" "$mirror" >"$work/debootstrap.log" \
@@ -60,4 +73,4 @@ chroot --userspec=10001:10001 "$mounted" /usr/bin/env -i HOME=/home/mgpu \
   PATH=/opt/venv/bin:/usr/bin:/bin KERAS_BACKEND=tensorflow MGPU_TF_HOST=127.0.0.1 \
   mgpu-train -np 2 /opt/mgpu-launch/examples/hello.py | tee "$work/hello.log"
 grep -q "sum of (rank + 1) over 2 ranks = 3" "$work/hello.log"
-echo "=== the CPU image builds and runs"
+echo "=== the CPU image builds and runs ($((SECONDS - start)) s)"

@@ -71,6 +71,7 @@ def test_a_job_past_its_timeout_is_killed_reported_and_the_rest_still_written(tm
                                   ).read_text()
 
 
+@pytest.mark.backend  # each backend's train function is wrapped by the step timer
 @requires_mpirun
 def test_profile_gives_every_rank_its_breakdown_and_uint8_pixels_feed(tmp_path):
     pytest.importorskip(BACKEND)

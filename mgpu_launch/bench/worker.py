@@ -185,14 +185,14 @@ class StepTimer:
         self.host, self.events = [], []
 
     def wrap(self, function):
-        def timed(data):
+        def timed(*args):  # torch: (data); JAX: (state, data)
             started = time.perf_counter()
             if self.cuda:
                 import torch
                 begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
                     enable_timing=True)
                 begin.record()
-            logs = function(data)
+            logs = function(*args)
             if self.cuda:
                 end.record()
                 self.events.append((begin, end))

@@ -108,6 +108,9 @@ class TorchEngine(Engine):
             self._watched = None
         if self.initialized:
             import torch.distributed as dist
+            graphs = sys.modules.get("mgpu_launch.engines.torch_graph")
+            if graphs is not None:
+                graphs.release()  # else destroy_process_group can hang (see release())
             if dist.is_initialized():
                 dist.destroy_process_group()
             self.initialized = False

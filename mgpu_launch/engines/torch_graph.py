@@ -32,6 +32,7 @@ import collections
 import os
 import threading
 import warnings
+import weakref
 from typing import Any, Callable, Optional
 
 #: the environment variable that turns capture on (``1``); DistributedOptimizer(cuda_graph=)
@@ -45,6 +46,7 @@ MAX_SIGNATURES = 16
 
 _SYNC_MESSAGE = "synchronizing CUDA operation"
 _stepping = threading.local()  # set while this thread warms up or captures a step
+_live: "weakref.WeakSet[GraphedTrainStep]" = weakref.WeakSet()  # for release()
 
 
 def scalars_on_device() -> bool:
@@ -223,6 +225,7 @@ class GraphedTrainStep:
         #: where the checked warm-up step synchronised with the host (when it did)
         self.sync_sites: list = []
         self.fallback: Optional[str] = static_reason(model)
+        _live.add(self)
         if self.fallback:
             _warn(self.fallback, is_chief)
             return
@@ -309,6 +312,25 @@ class GraphedTrainStep:
                 _Stepping():
             outputs = self.eager_step(static_data)
         return _Captured(graph, inputs, outputs)
+
+
+def release() -> None:
+    """Free every captured graph of this process (the torch engine's shutdown calls it).
+
+    A graph that captured an NCCL allreduce keeps the communicator busy:
+    ``destroy_process_group`` then hangs in ``ncclCommDestroy`` (pytorch/pytorch#115388; seen
+    on 2x H200 at the end of benchmarks/torch_cuda_graph/check_same_weights.py). Waiting for
+    the device and resetting the graphs first lets it return. Steps captured later start over.
+    """
+    if not _live:
+        return
+    import torch
+    torch.cuda.synchronize()
+    for step in list(_live):
+        for captured in step.graphs.values():
+            captured.graph.reset()
+        step.graphs.clear()
+        step.seen.clear()
 
 
 def _to_device(value):
