@@ -3,7 +3,7 @@
 # on 2 ranks inside it. Needs root and Debian's podman, buildah (podman's builder) and
 # debootstrap:  apt-get install -y podman buildah debootstrap
 #
-#   scripts/build_cpu_image.sh     # 288 s from nothing cached on our loaded 2-core box (docs/clusters.md)
+#   scripts/build_cpu_image.sh     # 108-288 s on our 2-core box (docs/clusters.md); .ci/run runs it
 #
 # As root on Debian/Ubuntu it installs the three tools itself when they are missing (.ci/run).
 #

@@ -322,11 +322,12 @@ def release() -> None:
     on 2x H200 at the end of benchmarks/torch_cuda_graph/check_same_weights.py). Waiting for
     the device and resetting the graphs first lets it return. Steps captured later start over.
     """
-    if not _live:
-        return
+    holding = [step for step in list(_live) if step.graphs]
+    if not holding:
+        return  # nothing captured (e.g. CPU, where every step fell back to eager)
     import torch
     torch.cuda.synchronize()
-    for step in list(_live):
+    for step in holding:
         for captured in step.graphs.values():
             captured.graph.reset()
         step.graphs.clear()
