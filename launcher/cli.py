@@ -142,20 +142,25 @@ def _parse_np(value: Optional[str]) -> Optional[int]:
     return np
 
 
+def _non_negative(value: str, convert, what: str, expected: str):
+    """`value` as convert(value) when that is >= 0, else a UsageError naming `what`."""
+    try:
+        number = convert(value)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise UsageError(f"{what}: expected {expected}")
+    return number
+
+
 def _parse_max_restarts(value: Optional[str]) -> int:
     source = "--max-restarts"
     if value is None:
         value, source = os.environ.get("MGPU_MAX_RESTARTS", "").strip(), "MGPU_MAX_RESTARTS"
         if value == "":
             return 0
-    try:
-        restarts = int(value)
-    except ValueError:
-        restarts = -1
-    if restarts < 0:
-        raise UsageError(f"{source} {value!r}: expected a whole number of restarts >= 0, "
-                         f"e.g. --max-restarts 3")
-    return restarts
+    return _non_negative(value, int, f"{source} {value!r}",
+                         "a whole number of restarts >= 0, e.g. --max-restarts 3")
 
 
 def _check_hosts(hosts: str) -> None:
@@ -325,14 +330,9 @@ def merge_window() -> Optional[float]:
     value = os.environ.get("MGPU_MERGE_SECONDS")
     if value is None:
         return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if seconds < 0:
-        raise UsageError(f"MGPU_MERGE_SECONDS={value!r}: expected a number of seconds >= 0 "
-                         f"(0 turns merging off), e.g. MGPU_MERGE_SECONDS=3")
-    return seconds
+    return _non_negative(value, float, f"MGPU_MERGE_SECONDS={value!r}",
+                         "a number of seconds >= 0 (0 turns merging off), "
+                         "e.g. MGPU_MERGE_SECONDS=3")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

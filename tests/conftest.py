@@ -1,3 +1,4 @@
+import contextlib
 import os
 import subprocess
 import sys
@@ -39,3 +40,23 @@ def launch(*argv, timeout=120, **extra_env):
 
 def explain(result):
     return f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+
+
+@contextlib.contextmanager
+def daemons_up(script, directory, needs):
+    """``script up DIR`` (scripts/cluster.sh, scripts/slurm.sh), then ``script down DIR`` on the
+    way out, also on failure and Ctrl-C. A failed or slow start fails the test loudly, naming
+    `needs`: these tests never skip (CI's machine can run them)."""
+    name = os.path.relpath(script, ROOT)
+    try:
+        up = subprocess.run([script, "up", str(directory)], capture_output=True, text=True,
+                            timeout=120)
+    except subprocess.TimeoutExpired as error:
+        subprocess.run([script, "down", str(directory)], timeout=60)
+        pytest.fail(f"{name} up did not finish in 120 s: {error}")
+    if up.returncode != 0:
+        pytest.fail(f"{name} up failed (needs {needs}):\n{up.stdout}{up.stderr}")
+    try:
+        yield
+    finally:
+        subprocess.run([script, "down", str(directory)], timeout=60)

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, SCRIPTS, explain, job_env
+from conftest import ROOT, SCRIPTS, daemons_up, explain, job_env
 
 pytestmark = pytest.mark.cluster
 
@@ -72,19 +72,9 @@ class Cluster:
 def cluster(tmp_path_factory):
     """A 2-node cluster for the session; torn down after it (also on failure and Ctrl-C)."""
     directory = tmp_path_factory.mktemp("cluster")
-    try:
-        up = subprocess.run([CLUSTER_SH, "up", str(directory)], capture_output=True, text=True,
-                            timeout=120)
-    except subprocess.TimeoutExpired as error:
-        subprocess.run([CLUSTER_SH, "down", str(directory)], timeout=60)
-        pytest.fail(f"scripts/cluster.sh up did not finish in 120 s: {error}")
-    if up.returncode != 0:
-        pytest.fail("cannot build the 2-node cluster (needs root, network namespaces and "
-                    f"scripts/install_cluster_deps.sh):\n{up.stdout}{up.stderr}")
-    try:
+    with daemons_up(CLUSTER_SH, directory,
+                    "root, network namespaces and scripts/install_cluster_deps.sh"):
         yield Cluster(directory)
-    finally:
-        subprocess.run([CLUSTER_SH, "down", str(directory)], timeout=60)
 
 
 def _reports(directory, size):

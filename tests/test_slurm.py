@@ -17,7 +17,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, SCRIPTS, explain, job_env
+from conftest import ROOT, SCRIPTS, daemons_up, explain, job_env
 
 pytestmark = pytest.mark.cluster
 
@@ -34,19 +34,8 @@ DETECT = ("import json, os; from mgpu_launcher import environments as e; p = e.d
 def slurm(tmp_path_factory):
     """The environment of a running one-node Slurm (SLURM_CONF set); stopped after the session."""
     directory = tmp_path_factory.mktemp("slurm")
-    try:
-        up = subprocess.run([SLURM_SH, "up", str(directory)], capture_output=True, text=True,
-                            timeout=120)
-    except subprocess.TimeoutExpired as error:
-        subprocess.run([SLURM_SH, "down", str(directory)], timeout=60)
-        pytest.fail(f"scripts/slurm.sh up did not finish in 120 s: {error}")
-    if up.returncode != 0:
-        pytest.fail("cannot start Slurm (needs root and scripts/install_cluster_deps.sh):\n"
-                    f"{up.stdout}{up.stderr}")
-    try:
+    with daemons_up(SLURM_SH, directory, "root and scripts/install_cluster_deps.sh"):
         yield job_env(SLURM_CONF=str(directory / "slurm.conf"))
-    finally:
-        subprocess.run([SLURM_SH, "down", str(directory)], timeout=60)
 
 
 def run(env, *argv, timeout=120, **extra):
