@@ -23,7 +23,7 @@ work=$(mktemp -d)
 mounted=""
 cleanup() {
   if [ -n "$mounted" ]; then
-    umount "$mounted/tmp" "$mounted/dev" "$mounted/proc" 2>/dev/null || true
+    umount "$mounted/tmp" "$mounted/sys" "$mounted/dev" "$mounted/proc" 2>/dev/null || true
     podman image unmount "$image" >/dev/null 2>&1 || true
   fi
   rm -rf "$work"
@@ -67,6 +67,7 @@ echo "=== mgpu-train -np 2 examples/hello.py in the image"
 mounted=$(podman image mount "$image")
 mount -t proc proc "$mounted/proc"
 mount --bind /dev "$mounted/dev"
+mount --bind -o ro /sys "$mounted/sys"  # Open MPI's UCX reads /sys/class/net
 mount -t tmpfs tmpfs "$mounted/tmp"
 # MGPU_TF_HOST: a bare chroot has no /etc/hosts entry for this host's name (a container has).
 chroot --userspec=10001:10001 "$mounted" /usr/bin/env -i HOME=/home/mgpu \
