@@ -18,6 +18,7 @@ import mgpu_launch as mgpu
 
 mgpu.init()
 import keras  # noqa: E402
+import tiny_model  # noqa: E402
 
 backup_dir, out = sys.argv[1], sys.argv[2]
 kill_epoch = int(sys.argv[3]) if len(sys.argv) > 3 else None
@@ -28,11 +29,7 @@ backup_options = {"save_freq": int(save_freq)} if save_freq else {}
 rng = np.random.default_rng(mgpu.rank())
 x = rng.normal(size=(32, 5)).astype("float32")
 y = rng.integers(0, 3, size=32)
-keras.utils.set_random_seed(1)
-model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"),
-                          keras.layers.Dense(3)])
-model.compile(optimizer=mgpu.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)),
-              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+model = tiny_model.compiled(keras, mgpu)
 
 
 class Killer(keras.callbacks.Callback):

@@ -19,17 +19,14 @@ import mgpu_launch as mgpu
 
 mgpu.init()
 import keras  # noqa: E402
+import tiny_model  # noqa: E402
 
 backup_dir, out = sys.argv[1], sys.argv[2]
 kill = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 4 else None
 rng = np.random.default_rng(7)  # the same data on every rank: shard() splits it
 x = rng.normal(size=(64, 5)).astype("float32")
 y = rng.integers(0, 3, size=64)
-keras.utils.set_random_seed(1)
-model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="tanh"),
-                          keras.layers.Dense(3)])
-model.compile(optimizer=mgpu.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)),
-              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+model = tiny_model.compiled(keras, mgpu)
 
 
 class Trace(keras.callbacks.Callback):
