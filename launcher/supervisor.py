@@ -92,12 +92,13 @@ class OutputRelay:
             if self.output_dir:
                 self._log(rank).write(text + "\n")
             if stream == "stderr":
-                if _from_marker(text).startswith(PROGRESS_MARKER):
+                marked = _from_marker(text)
+                if marked.startswith(PROGRESS_MARKER):
                     self.progressed = True
                     return  # for the supervisor only
-                self.tails[rank].append(text)
+                self.tails[rank].append(marked)
                 if self.first_failure is None:
-                    self.first_failure = _failure_in(rank, text)
+                    self.first_failure = _failure_in(rank, marked)
             if stream == "stderr" and self.merger is not None:
                 self.merger.line(rank, text)
             elif stream == "stderr" or rank == 0 or self.all_ranks:
@@ -157,7 +158,7 @@ class OutputRelay:
         else:
             lines.append(f"  root cause: rank {cause.rank} failed first: {cause.reason}")
         tail = [t for t in self.tails.get(cause.rank, ())
-                if not _from_marker(t).startswith((FAILURE_MARKER, STALL_MARKER))]
+                if not t.startswith((FAILURE_MARKER, STALL_MARKER))]
         if tail:
             lines.append(f"  last lines of rank {cause.rank}'s stderr:")
             lines += [f"    {t}" for t in tail]
@@ -185,8 +186,7 @@ def _from_marker(text: str) -> str:
 
 
 def _failure_in(rank: int, text: str) -> Optional[Failure]:
-    """The failure a rank's stderr line reports, if it is a marker line."""
-    text = _from_marker(text)
+    """The failure a rank's stderr line reports, if it is a marker line (see _from_marker)."""
     if text.startswith(FAILURE_MARKER):
         return Failure(rank, text[len(FAILURE_MARKER):].strip())
     if text.startswith(STALL_MARKER):
@@ -265,9 +265,9 @@ def supervise(command: Sequence[str], flavour: Flavour, *, all_ranks: bool = Fal
         An :class:`Outcome`: its status is mpirun's exit status, 128+N when mgpu-train itself
         was stopped by signal N.
     """
-    relay = OutputRelay(flavour, all_ranks, output_dir, stdout or sys.stdout,
-                        stderr or sys.stderr, size=size, merge_window=merge_window)
     stderr = stderr or sys.stderr
+    relay = OutputRelay(flavour, all_ranks, output_dir, stdout or sys.stdout, stderr,
+                        size=size, merge_window=merge_window)
     # Its own session, so that on a second signal the whole tree can be killed at once.
     proc = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, env=env, start_new_session=True)
