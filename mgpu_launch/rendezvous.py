@@ -68,11 +68,14 @@ def host_address(peers: Sequence[str] = ()) -> str:
 def job_host_address(state) -> str:
     """Collective: this host's address as the job's OTHER hosts dial it (see host_address).
 
-    Every rank must call it (the ranks exchange their host names over MPI).
+    Every rank must call it (the ranks exchange their host names over MPI), the first time;
+    the answer is kept in ``state.host_address`` for the stall inspector and the engines.
     """
-    own = socket.gethostname()
-    names = state.comm.allgather(own) if state.comm is not None else [own]
-    return host_address(sorted(set(names) - {own}))
+    if state.host_address is None:
+        own = socket.gethostname()
+        names = state.comm.allgather(own) if state.comm is not None else [own]
+        state.host_address = host_address(sorted(set(names) - {own}))
+    return state.host_address
 
 
 def interface_of(address: str) -> Optional[str]:

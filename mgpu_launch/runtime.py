@@ -9,7 +9,7 @@ launcher it starts nothing: every collective is then a copy, and costs nothing m
 import atexit
 import dataclasses
 import sys
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 from mgpu_launch import stall
 from mgpu_launcher import environments, worker
@@ -32,6 +32,7 @@ class State:
     cross_size: int = 1
     source: str = "single"
     comm: Any = None  # mpi4py communicator (a duplicate of COMM_WORLD), None on one process
+    host_address: Optional[str] = None  # as the other hosts dial it (rendezvous.job_host_address)
     previous_excepthook: Any = None
 
     def require(self) -> "State":
@@ -44,9 +45,10 @@ class State:
 
 state = State()
 
-#: (start(state), stop()) pairs run by init() after MPI is up and by shutdown() before it goes;
-#: the engines add theirs (mgpu_launch.engines), so this layer never imports them.
-_hooks: List[Tuple[Callable[[State], None], Callable[[], None]]] = []
+#: (start(state), stop()) pairs run by init() after MPI is up and by shutdown() before it goes
+#: (stopped in reverse): the stall inspector's first; the engines add theirs
+#: (mgpu_launch.engines), so this layer never imports them.
+_hooks: List[Tuple[Callable[[State], None], Callable[[], None]]] = [(stall.start, stall.stop)]
 
 
 def add_hooks(start: Callable[[State], None], stop: Callable[[], None]) -> None:
@@ -119,8 +121,6 @@ def init() -> None:
         sys.excepthook = _abort_on_uncaught
     vars(state).update(vars(fresh))
     atexit.register(shutdown)
-    if state.size > 1:
-        stall.start(state)
     for start, _ in _hooks:
         start(state)
 
@@ -136,7 +136,6 @@ def shutdown() -> None:
         return
     for _, stop in reversed(_hooks):
         stop()
-    stall.stop()
     if state.comm is not None and not _mpi().Is_finalized():
         state.comm.Free()
     if sys.excepthook is _abort_on_uncaught:

@@ -219,10 +219,9 @@ class Reporter(threading.Thread):
 class Monitor(threading.Thread):
     """Rank 0's side: collects the positions, warns about a stall, and may end the job."""
 
-    def __init__(self, size: int, listener: socket.socket, warning_s: float,
-                 shutdown_s: Optional[float]):
+    def __init__(self, listener: socket.socket, warning_s: float, shutdown_s: Optional[float]):
         super().__init__(name="mgpu-stall-monitor", daemon=True)
-        self.size, self.listener = size, listener
+        self.listener = listener
         self.warning_s, self.shutdown_s = warning_s, shutdown_s
         self.positions: Dict[int, Position] = {0: _position}
         self.connections: Dict[int, socket.socket] = {}
@@ -324,12 +323,13 @@ def start(state) -> None:
         return
     _position = (0, STARTED, "")
     listener = address = None
+    host = rendezvous.job_host_address(state)  # collective; not 127.0.1.1 across hosts
     if state.rank == 0:
         listener = socket.create_server(("", 0), backlog=state.size)
-        address = f"{rendezvous.host_address()}:{listener.getsockname()[1]}"
+        address = f"{host}:{listener.getsockname()[1]}"
     address = state.comm.bcast(address, root=0)
     if state.rank == 0:
-        _inspector = Monitor(state.size, listener, warning_s or float("inf"), shutdown_s)
+        _inspector = Monitor(listener, warning_s or float("inf"), shutdown_s)
     else:
         host, _, port = address.rpartition(":")
         try:
