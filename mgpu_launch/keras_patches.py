@@ -149,9 +149,11 @@ PATCHES = {
 BY_BACKEND = {
     "tensorflow": ("fit", "compile_config"),
     "jax": ("fit", "compile_config", "jax_iterator", "jax_train_function", "jax_state_sync"),
-    "torch": ("fit", "compile_config", "torch_iterator", "torch_ddp", "torch_train_function",
-              "torch_sgd_update", "torch_scalars"),
+    "torch": ("fit", "compile_config", "torch_iterator", "torch_ddp", "torch_train_function"),
 }
+#: applied once a torch train step is wrapped for CUDA-graph capture: otherwise every step of
+#: every torch job would pay their extra Python frames (convert_to_tensor runs many times a step)
+FOR_CUDA_GRAPHS = ("torch_sgd_update", "torch_scalars")
 
 _distributed_class: Optional[type] = None
 # (epochs done, batches done in the next epoch) for the next training epoch to start from.
@@ -313,8 +315,11 @@ def _torch_train_function(original):
             return self.train_function
         original(self, force)
         if uses_distributed_optimizer(self):
-            self.train_function = engines.get_engine().wrap_train_function(
-                self, self.train_function)
+            wrapped = engines.get_engine().wrap_train_function(self, self.train_function)
+            if wrapped is not self.train_function:  # capture asked for
+                for name in FOR_CUDA_GRAPHS:
+                    apply(name)
+            self.train_function = wrapped
         return self.train_function
     return make_train_function
 

@@ -14,7 +14,8 @@ from mgpu_launch.keras_patches import PATCHES, KerasInternalsError, Patch  # noq
 BACKEND = keras.backend.backend()
 # The other backends' trainer modules import their framework: only this backend's are checked
 # here (the suite runs once per backend).
-MINE = sorted(set(keras_patches.BY_BACKEND[BACKEND]) | {"compile", "resume_iterator"})
+MINE = sorted(set(keras_patches.BY_BACKEND[BACKEND]) | {"compile", "resume_iterator"}
+              | (set(keras_patches.FOR_CUDA_GRAPHS) if BACKEND == "torch" else set()))
 
 
 @pytest.mark.backend
