@@ -83,8 +83,7 @@ class ShardedArrays(keras.utils.PyDataset):
         return keras.tree.map_structure(lambda a: np.asarray(a)[take], self.data)
 
     def on_epoch_end(self):
-        self.epoch += 1
-        self._indices = self._epoch_indices()
+        self.skip_epochs(1)
 
     def skip_epochs(self, count: int) -> None:
         """Jump `count` epochs ahead (a resumed job): the order is seeded by the epoch number."""
@@ -118,12 +117,7 @@ class ShardedPyDataset(keras.utils.PyDataset):
         return self.dataset[index * self.size + self.rank]
 
     def on_epoch_end(self):
-        self.dataset.on_epoch_end()
-
-    def skip_epochs(self, count: int) -> None:
-        """Replay `count` epoch ends of the wrapped PyDataset (a resumed job)."""
-        for _ in range(count):
-            self.dataset.on_epoch_end()
+        self.dataset.on_epoch_end()  # a resumed job replays these (epoch_resume.move_data_on)
 
 
 def _shard_tf_dataset(dataset, batch_size, shuffle, seed, drop_remainder):
@@ -189,7 +183,3 @@ def shard(data: Any, batch_size: Optional[int] = None, shuffle: bool = False, se
                          f"tf.data.Dataset or a keras.utils.PyDataset; got "
                          f"{type(data).__name__}")
     return ShardedArrays(data, int(batch_size), shuffle, seed)
-
-
-# -- device prefetch ----------------------------------------------------------------------------
-

@@ -276,9 +276,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         in ``keras_patches``): plain ``keras.models.load_model`` builds the inner optimizer
         and ignores the extra key; :func:`load_model` reads it back to re-wrap.
         """
-        config = self._serialized_inner()
         settings = self.get_config()
-        del settings["optimizer"]
+        config = settings.pop("optimizer")
         config["mgpu_launch"] = {"class_name": "DistributedOptimizer", "config": settings}
         return config
 

@@ -63,9 +63,9 @@ def breakdown(steps: List[tuple]) -> List[Dict[str, float]]:
     """
     everyone = mgpu.allgather_object(steps)
     count = min(len(s) for s in everyone)
+    last = [max(rank[i][0] for rank in everyone) for i in range(count)]  # the last to dispatch
     result = []
     for mine in everyone:
-        last = [max(rank[i][0] for rank in everyone) for i in range(count)]
         result.append({
             "input_ms": round(1e3 * statistics.median(s[2] for s in mine[:count]), 2),
             "wait_ms": round(1e3 * statistics.median(last[i] - mine[i][0] for i in range(count)), 2),

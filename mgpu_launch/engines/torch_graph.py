@@ -33,7 +33,7 @@ import os
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 #: the environment variable that turns capture on (``1``); DistributedOptimizer(cuda_graph=)
 ENV = "MGPU_TORCH_CUDA_GRAPH"
