@@ -100,7 +100,7 @@ def finish(proc: subprocess.Popen, out: str, timeout: float,
 def rank_pids(out: str) -> List[int]:
     """The pids every rank of every attempt wrote at its start."""
     return [int(open(path).read()) for path in glob.glob(os.path.join(out, "pid.*"))
-            if not path.endswith(".tmp")]
+            if ".tmp" not in os.path.basename(path)]  # faults.py writes pid.R.A.tmp<pid> first
 
 
 def alive(pid: int) -> bool:
@@ -129,14 +129,9 @@ def leftovers(out: str, wait: float = 0.0) -> List[str]:
 def gone_at(run: Run, out: str, limit: float = 30.0) -> float:
     """When the job was entirely gone (time.time()): mgpu-train exited and no process of the
     job is left; infinity when something is still alive `limit` s after the exit."""
-    deadline = time.monotonic() + limit
     if not leftovers(out):
         return run.ended
-    while leftovers(out):
-        if time.monotonic() > deadline:
-            return float("inf")
-        time.sleep(0.1)
-    return time.time()
+    return float("inf") if leftovers(out, wait=limit) else time.time()
 
 
 def _kill(pid: int) -> None:

@@ -97,5 +97,5 @@ def test_twenty_faults_no_hang_no_orphan(tmp_path):
         print({key: value for key, value in result.items() if key != "problem"})
     failures = [f"trial {r['index']} ({r['kind']} at step {r['step']}): {r['problem']}"
                 for r in results if "problem" in r]
+    assert TRIALS > 0 and len(results) == TRIALS, f"MGPU_FAULT_TRIALS={TRIALS}: nothing was tried"
     assert not failures, "\n\n".join(failures)
-    assert len(results) == TRIALS

@@ -66,10 +66,6 @@ def _resume(backup, out, *kill, **env):
                   TF_CPP_MIN_LOG_LEVEL="2", **env)
 
 
-def _weights(out):
-    return [list(np.load(out / f"rank.{r}.npz").values()) for r in range(2)]
-
-
 def _check_restart_equals_uninterrupted(tmp_path, **env):
     (tmp_path / "ref").mkdir()
     (tmp_path / "restarted").mkdir()
@@ -79,7 +75,8 @@ def _check_restart_equals_uninterrupted(tmp_path, **env):
     assert restarted.returncode == 0, explain(restarted)
     assert "root cause: rank 1 failed first: killed by signal 9" in restarted.stderr
     assert "BackupAndRestore: resuming" in restarted.stdout, explain(restarted)
-    expected, got = _weights(tmp_path / "ref"), _weights(tmp_path / "restarted")
+    from test_resume import weights  # here, not at the top: it imports no backend, but
+    expected, got = weights(tmp_path / "ref"), weights(tmp_path / "restarted")
     for rank in range(2):
         for a, b in zip(got[rank], expected[0], strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
@@ -92,28 +89,12 @@ def test_restarted_with_epoch_backups_ends_like_an_uninterrupted_run(tmp_path):
     _check_restart_equals_uninterrupted(tmp_path)
 
 
-def _has_step_level_backup():
-    # Parsed, not imported: importing the callbacks would import the backend into pytest.
-    path = os.path.join(os.path.dirname(os.path.dirname(SCRIPTS)), "mgpu_launch", "callbacks",
-                        "backup.py")
-    for node in ast.walk(ast.parse(open(path).read())):
-        if isinstance(node, ast.ClassDef) and node.name == "BackupAndRestore":
-            for item in node.body:
-                if isinstance(item, ast.FunctionDef) and item.name == "__init__":
-                    names = [a.arg for a in item.args.args + item.args.kwonlyargs]
-                    return "save_freq" in names
-    return False
-
-
-# STEP-LEVEL BACKUP (issue 17 part 3, another branch): this runs once
-# BackupAndRestore(save_freq=STEPS) lands; until then it is skipped. The kill is mid-epoch
-# (epoch 2, batch 2) and the backup every 3 steps, so the restart resumes mid-epoch.
+# The kill is mid-epoch (epoch 2, batch 2) and the backup every 3 steps
+# (BackupAndRestore(save_freq=3)), so the restart resumes mid-epoch.
 @requires_mpirun
 @pytest.mark.backend
 def test_restarted_with_step_backups_ends_like_an_uninterrupted_run(tmp_path):
     faultkit.require_backend(BACKEND)
-    if not _has_step_level_backup():
-        pytest.skip("BackupAndRestore(save_freq=...) has not landed yet (issue 17 part 3)")
     _check_restart_equals_uninterrupted(tmp_path, RESUME_SAVE_FREQ="3")
 
 
