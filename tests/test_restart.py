@@ -1,6 +1,5 @@
 """mgpu-train --max-restarts: a failed job is torn down and started again, like torchrun's."""
 
-import ast
 import os
 
 import numpy as np
