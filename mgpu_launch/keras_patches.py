@@ -34,6 +34,9 @@ Keras attribute                            backend   why
 ``torch.core.convert_to_tensor``            torch     while a step is warmed up or captured: a
                                                      Python number becomes a device tensor by a
                                                      fill kernel, not a synchronous host copy
+``Trainer._resolve_auto_jit_compile``      tf        ``jit_compile="auto"``: no XLA where the
+                                                     engine's collectives cannot be compiled
+                                                     (CPU, ``MGPU_TF_COLLECTIVE=ring``)
 ``Trainer.compile``                        all       ``mgpu_launch.keras`` (Horovod names) only:
                                                      drop Keras 2's experimental_run_tf_function
 ``EpochIterator._enumerate_iterator``      all       ``callbacks.BackupAndRestore`` only, once,
@@ -143,11 +146,13 @@ PATCHES = {
                              "_enumerate_iterator", ("self",)),
     "compile_config": Patch("keras.src.trainers.trainer:Trainer", "get_compile_config",
                             ("self",)),
+    "tf_auto_jit": Patch("keras.src.trainers.trainer:Trainer", "_resolve_auto_jit_compile",
+                         ("self",)),
 }
 
 #: backend -> the patches :func:`install` applies there, in order.
 BY_BACKEND = {
-    "tensorflow": ("fit", "compile_config"),
+    "tensorflow": ("fit", "compile_config", "tf_auto_jit"),
     "jax": ("fit", "compile_config", "jax_iterator", "jax_train_function", "jax_state_sync"),
     "torch": ("fit", "compile_config", "torch_iterator", "torch_ddp", "torch_train_function"),
 }
@@ -297,6 +302,17 @@ def _torch_ddp(original):
     return _initialize_ddp
 
 
+def _tf_auto_jit(original):
+    # Keras resolves "auto" to XLA on any machine with a GPU; a step whose collectives XLA
+    # cannot compile (the host ring) would then fail at its first trace.
+    def _resolve_auto_jit_compile(self):
+        if (uses_distributed_optimizer(self) and runtime.is_multi_process()
+                and not engines.get_engine().compiles_collectives()):
+            return False
+        return original(self)
+    return _resolve_auto_jit_compile
+
+
 def _compile_config(original):
     # Keras names a saved object's class after type(obj): without this, a saved model's
     # optimizer is "DistributedOptimizer", which only loads where mgpu_launch is importable.
@@ -403,4 +419,5 @@ _FACTORIES = {
     "torch_ddp": _torch_ddp, "torch_train_function": _torch_train_function,
     "torch_sgd_update": _torch_sgd_update, "torch_scalars": _torch_scalars,
     "compile": _compile, "resume_iterator": _resume_iterator, "compile_config": _compile_config,
+    "tf_auto_jit": _tf_auto_jit,
 }

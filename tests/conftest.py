@@ -33,9 +33,16 @@ def job_env(**extra):
 
 
 def launch(*argv, timeout=120, **extra_env):
-    """Run `mgpu-train argv...` as a real process; returns the CompletedProcess."""
-    return subprocess.run([sys.executable, "-m", "mgpu_launcher", *argv], cwd=ROOT, env=job_env(**extra_env),
-                          capture_output=True, text=True, timeout=timeout)
+    """Run `mgpu-train argv...` as a real process; returns the CompletedProcess.
+
+    MGPU_TEST_LAUNCH_ARGS (e.g. ``--no-pin``) goes before `argv`: on a one-GPU machine the
+    GPU session (benchmarks/tf_gpu/session.sh) runs the multi-process tests with their ranks
+    sharing that GPU.
+    """
+    extra = os.environ.get("MGPU_TEST_LAUNCH_ARGS", "").split()
+    return subprocess.run([sys.executable, "-m", "mgpu_launcher", *extra, *argv], cwd=ROOT,
+                          env=job_env(**extra_env), capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def explain(result):

@@ -24,11 +24,21 @@ overlapping. Memory and latency then stay flat (``benchmarks/tf_long_run.md``: 1
 A buffer of unknown static shape (TF reuses a key only for the same shape) falls back to a
 fresh key per execution from an in-graph counter, in a range of its own.
 
+Collective implementation (``MGPU_TF_COLLECTIVE``, GPU tensors): ``nccl`` (GPU to GPU, one
+GPU per rank), ``ring`` (TensorFlow's host ring over gRPC: works whatever the GPUs are, also
+when several ranks share one GPU or the GPUs have no peer path, e.g. PCIe boxes without P2P),
+``auto`` (the default: ``ring`` when this host's ranks were not pinned one GPU each
+(``mgpu-train --no-pin`` with more than one local rank), else TensorFlow's own choice, which is
+NCCL for GPU tensors). Ranks that share a GPU also get TensorFlow's memory growth, so the first
+one does not take the whole device.
+
 XLA: Keras's ``jit_compile="auto"`` resolves to no XLA on CPU-only machines, so the default step
 works. An explicit ``jit_compile=True`` on CPU cannot compile collectives (TensorFlow:
-"Collectives are not yet implemented for CPU devices when compiling with XLA"): the engine
-raises a clear error at trace time. On GPU, CollectiveReduceV2 with NCCL is XLA-lowerable, but
-TensorFlow cannot be installed on our GPU machine, so that path is untested.
+"Collectives are not yet implemented for CPU devices when compiling with XLA"), nor can the
+``ring`` implementation be compiled on GPU: there the engine turns XLA off for the step (see
+:meth:`TensorFlowEngine.compiles_collectives`) or, for an explicit ``jit_compile=True``, raises a
+clear error at trace time. NCCL between GPU processes under XLA needs a multi-GPU machine and
+has not run here (docs/backends.md says what did).
 """
 
 import os
@@ -42,6 +52,8 @@ from mgpu_launch.engines import Engine
 from mgpu_launch.rendezvous import free_port, job_host_address
 
 TRANSPORTS = ("collective", "mpi")
+#: MGPU_TF_COLLECTIVE -> CollectiveReduceV2's communication_hint ("auto" is resolved in setup)
+IMPLEMENTATIONS = ("auto", "nccl", "ring")
 _JOB = "worker"
 # Keys derived from a collective's signature live in [1, _FIXED_KEYS]; the counter for buffers
 # of unknown shape counts above it, so the two never meet.
@@ -62,6 +74,12 @@ class TensorFlowEngine(Engine):
         if self.transport not in TRANSPORTS:
             raise ValueError(f"MGPU_TF_TRANSPORT={self.transport!r}: expected one of "
                              f"{', '.join(TRANSPORTS)}")
+        self.implementation = os.environ.get("MGPU_TF_COLLECTIVE", "auto").strip().lower()
+        if self.implementation not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"MGPU_TF_COLLECTIVE={self.implementation!r}: expected one of "
+                f"{', '.join(IMPLEMENTATIONS)} (e.g. MGPU_TF_COLLECTIVE=ring for ranks that "
+                f"share a GPU or GPUs without a peer path)")
         self.timeout = float(os.environ.get("MGPU_COLLECTIVE_TIMEOUT", "0"))
         self.size = 1
         self.comm = None
@@ -85,6 +103,9 @@ class TensorFlowEngine(Engine):
                 "mgpu.init() must run before TensorFlow creates any tensor or variable (its "
                 "in-graph collectives can only be enabled at program start). Move mgpu.init() "
                 "to the top of the script, right after the imports.")
+        shared_gpu = self._share_gpus(tf, state)
+        if self.implementation == "auto":
+            self.implementation = "ring" if shared_gpu else "auto"
         port = free_port()
         addresses = state.comm.allgather(f"{_reachable_host(state)}:{port}")
         ctx.configure_collective_ops(
@@ -103,6 +124,24 @@ class TensorFlowEngine(Engine):
             self._ordering_token = tf.Variable(0.0, trainable=False,
                                                name="mgpu_collective_ordering_token")
 
+    @staticmethod
+    def _share_gpus(tf, state) -> bool:
+        """Memory growth when this host's ranks share GPUs (not pinned one each); returns
+        whether they do. Must run before TensorFlow initializes its devices."""
+        gpus = tf.config.list_physical_devices("GPU")  # does not initialize them
+        if not gpus or os.environ.get("MGPU_GPU") is not None or state.local_size < 2:
+            return False
+        for gpu in gpus:
+            tf.config.experimental.set_memory_growth(gpu, True)
+        return True
+
+    def compiles_collectives(self) -> bool:
+        """Whether the step's collectives can be compiled by XLA here: on GPU, with the
+        in-graph transport and an implementation other than ``ring``."""
+        import tensorflow as tf
+        return (self.transport == "collective" and self.implementation != "ring"
+                and bool(tf.config.list_physical_devices("GPU")))
+
     # -- the step -----------------------------------------------------------------------------
     def _check_not_xla(self) -> None:
         from tensorflow.python.framework import ops
@@ -112,12 +151,13 @@ class TensorFlowEngine(Engine):
 
         if not control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
             return
-        if self.transport == "mpi" or not tf.config.list_physical_devices("GPU"):
+        if not self.compiles_collectives():
             raise ValueError(
                 "the gradient allreduce cannot be compiled with XLA here (TensorFlow has no "
-                "XLA collectives on CPU, and MGPU_TF_TRANSPORT=mpi leaves the graph). Compile "
-                "the model with jit_compile=False (or leave the default 'auto', which is off "
-                "on CPU-only machines).")
+                "XLA collectives on CPU, MGPU_TF_TRANSPORT=mpi leaves the graph, and "
+                "MGPU_TF_COLLECTIVE=ring runs on the host). Compile the model with "
+                "jit_compile=False, or leave the default 'auto': mgpu then turns XLA off "
+                "where the collectives cannot be compiled.")
 
     def _instance_key_for(self, flat):
         """The same key on every rank and in every execution of this collective (see the module
@@ -162,7 +202,7 @@ class TensorFlowEngine(Engine):
             input=flat, group_size=self.size, group_key=1,
             instance_key=self._instance_key_for(flat),
             ordering_token=[self._ordering_token.handle],
-            merge_op="Add", final_op="Id", communication_hint="auto",
+            merge_op="Add", final_op="Id", communication_hint=self.implementation,
             timeout_seconds=self.timeout)
 
     def allreduce(self, tensors: Sequence[Any], *, average: bool, prescale: float = 1.0,
