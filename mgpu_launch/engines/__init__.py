@@ -91,15 +91,57 @@ class Engine:
         """
         raise NotImplementedError
 
+    # -- small differentiable collectives in the forward pass (synchronized BatchNorm) -----------
+    def reduces_in_step(self) -> bool:
+        """Whether :meth:`sum_in_step` can run where the caller is now. JAX: only inside the
+        engine's train step (a symbolic build of the model outside it gets False)."""
+        return True
+
+    def sum_in_step(self, tensors: Sequence[Any]) -> List[Any]:
+        """Sum a few small tensors across ranks inside the compiled step, differentiably.
+
+        Unlike :meth:`allreduce` (gradients, after the backward pass), this runs in the forward
+        pass and the backward pass goes through it: the gradient of a sum across ranks is the
+        sum across ranks of the incoming gradients, so each rank gets the exact gradient of
+        the sum of every rank's loss.
+
+        Args:
+            tensors: the backend's tensors; shapes and dtypes equal on every rank.
+
+        Returns:
+            The sums, in the same order, shapes and dtypes.
+        """
+        raise NotImplementedError
+
+    def gather_in_step(self, tensor):
+        """Every rank's `tensor` stacked along a new first axis (row r from rank r), inside the
+        compiled step and differentiable, like :meth:`sum_in_step`.
+
+        The default is one :meth:`sum_in_step` of `tensor` placed in this rank's row of zeros:
+        adding zeros is exact, so every rank gets the same rows bit for bit.
+        """
+        import numpy as np
+        from keras import backend, ops
+
+        from mgpu_launch import runtime
+
+        own_row = np.zeros((runtime.size(),) + (1,) * len(tensor.shape),
+                           dtype=backend.standardize_dtype(tensor.dtype))
+        own_row[runtime.rank()] = 1
+        placed = ops.multiply(ops.expand_dims(tensor, 0), ops.convert_to_tensor(own_row))
+        return self.sum_in_step([placed])[0]
+
     def watch(self, variables, *, average: bool, prescale: float, postscale: float,
               compression) -> None:
         """Called at the optimizer's build: a backend may start reducing these variables'
         gradients during backward (torch). The default waits for ``reduce_gradients``."""
 
     def reduce_gradients(self, grads, variables, *, average: bool, prescale: float = 1.0,
-                         postscale: float = 1.0, compression=None) -> List[Any]:
+                         postscale: float = 1.0, compression=None,
+                         sparse_as_dense: bool = False) -> List[Any]:
         """The optimizer's reduction: missing gradients as zeros, sparse ones dense, then
-        :meth:`allreduce` (or what :meth:`watch` already started)."""
+        :meth:`allreduce` (or what :meth:`watch` already started). A backend with sparse
+        gradients (TensorFlow) gathers them instead unless `sparse_as_dense`."""
         from keras import ops
         dense = [ops.zeros_like(v) if g is None else self.densify(g)
                  for g, v in zip(grads, variables)]
@@ -109,6 +151,11 @@ class Engine:
     def densify(self, gradient):
         """A sparse gradient (e.g. TF IndexedSlices) as a dense tensor; others unchanged."""
         return gradient
+
+    def tracing(self) -> bool:
+        """Whether the backend is tracing a compiled function now (tensors without values):
+        Horovod's value collectives then go through the engine (TensorFlow) or are refused."""
+        return False
 
     def cond_update(self, predicate, update, variables) -> None:
         """Run ``update()`` (which assigns some of `variables`) only where `predicate` holds.

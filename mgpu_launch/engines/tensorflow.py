@@ -48,7 +48,7 @@ from typing import Any, List, Sequence
 
 import numpy as np
 
-from mgpu_launch.engines import Engine
+from mgpu_launch.engines import Engine, tensorflow_collectives
 from mgpu_launch.rendezvous import free_port, job_host_address
 
 TRANSPORTS = ("collective", "mpi")
@@ -159,9 +159,10 @@ class TensorFlowEngine(Engine):
                 "jit_compile=False, or leave the default 'auto': mgpu then turns XLA off "
                 "where the collectives cannot be compiled.")
 
-    def _instance_key_for(self, flat):
+    def _instance_key_for(self, flat, kind: str = "reduce"):
         """The same key on every rank and in every execution of this collective (see the module
-        docstring); a fresh one per execution when the buffer's shape is not static."""
+        docstring); a fresh one per execution when the buffer's shape is not static. `kind`
+        keeps collectives of other types (gathers, broadcasts) off a sum's keys."""
         import tensorflow as tf
         from tensorflow.python.framework import ops
 
@@ -170,9 +171,10 @@ class TensorFlowEngine(Engine):
         position = 0
         if not tf.executing_eagerly():
             seen = self._positions.setdefault(ops.get_default_graph(), {})
-            base = (flat.dtype.name, tuple(flat.shape.as_list()))
+            base = (kind, flat.dtype.name, tuple(flat.shape.as_list()))
             position = seen[base] = seen.get(base, -1) + 1
         signature = f"{flat.dtype.name}:{flat.shape.as_list()}:{position}"
+        signature = signature if kind == "reduce" else f"{kind}:{signature}"
         key = 1 + zlib.crc32(signature.encode()) % _FIXED_KEYS
         known = self._signatures.setdefault(key, signature)
         if known != signature:
@@ -230,6 +232,67 @@ class TensorFlowEngine(Engine):
             for i, piece in zip(indices, pieces):
                 result[i] = tf.reshape(piece, tf.shape(tensors[i]))
         return result
+
+    # -- collectives on tensors other than the gradient sum (engines/tensorflow_collectives) --
+    def tracing(self) -> bool:
+        import tensorflow as tf
+        return not tf.executing_eagerly()
+
+    def allgather(self, tensors):
+        """Each tensor of `tensors` (the same number of rows on this rank) gathered along
+        axis 0 from every rank, in rank order; the row count may differ between ranks."""
+        return tensorflow_collectives.allgather_rows(self, tensors)
+
+    def broadcast(self, tensor, root_rank: int):
+        """Rank `root_rank`'s `tensor`, on every rank."""
+        return tensorflow_collectives.broadcast(self, tensor, root_rank)
+
+    def reduce(self, tensor, op: str):
+        """`tensor` combined elementwise over the ranks: op "sum", "min", "max" or "product"."""
+        return tensorflow_collectives.reduce(self, tensor, op)
+
+    def reduce_gradients(self, grads, variables, *, average: bool, prescale: float = 1.0,
+                         postscale: float = 1.0, compression=None,
+                         sparse_as_dense: bool = False) -> List[Any]:
+        """Dense gradients through :meth:`allreduce`; with ``sparse_as_dense=False``,
+        IndexedSlices through an allgather of their slices, which keeps single-process
+        semantics (docs/training-recipe.md, sparse gradients)."""
+        import tensorflow as tf
+        sparse = [] if sparse_as_dense else [
+            i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
+        if not sparse:
+            return super().reduce_gradients(grads, variables, average=average, prescale=prescale,
+                                            postscale=postscale, compression=compression)
+        dense = [i for i in range(len(grads)) if i not in sparse]
+        result = list(grads)
+        reduced = super().reduce_gradients(
+            [grads[i] for i in dense], [variables[i] for i in dense], average=average,
+            prescale=prescale, postscale=postscale, compression=compression)
+        for i, value in zip(dense, reduced):
+            result[i] = value
+        scale = prescale * postscale / (self.size if average else 1)
+        for i in sparse:
+            result[i] = tensorflow_collectives.reduce_sparse(self, grads[i], scale=scale,
+                                                             compression=compression)
+        return result
+
+    def sum_in_step(self, tensors: Sequence[Any]) -> List[Any]:
+        """A sum across ranks in the forward pass, with its gradient: TensorFlow registers none
+        for CollectiveReduceV2, so a custom gradient sums the incoming gradients the same way.
+        Forward and backward buffers take keys like any other sum (signature and position in
+        the trace, see the module docstring): the same on every rank, apart from the
+        gradients'."""
+        import tensorflow as tf
+
+        @tf.custom_gradient
+        def summed(*values):
+            def backward(*upstream):
+                upstream = [tf.zeros_like(v) if u is None else u
+                            for u, v in zip(upstream, values)]
+                return self.allreduce(upstream, average=False)
+            return self.allreduce(list(values), average=False), backward
+
+        return list(summed(*[tf.convert_to_tensor(t) for t in tensors]))
 
     def densify(self, gradient):
         """IndexedSlices (sparse embedding gradients) as a dense tensor; others unchanged."""

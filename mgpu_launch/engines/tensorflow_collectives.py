@@ -1,0 +1,257 @@
+"""TensorFlow collectives beyond the gradient sum: allgather, broadcast, min / max / product,
+and the allgather of sparse gradients (``tf.IndexedSlices``).
+
+Used through :class:`mgpu_launch.engines.tensorflow.TensorFlowEngine`; every function takes the
+engine (set up: group, ordering token, instance keys) as its first argument, works eagerly and
+inside a ``tf.function``, and issues its collectives in program order on every rank (the
+engine's ordering token), so ranks must call them in the same order, as every collective.
+
+Allgather with a first dimension that differs per rank: the ranks first gather their row
+counts (a static ``[1]`` buffer), pad their rows to a shared padded count, gather
+(``CollectiveGatherV2``), and drop the padding. TensorFlow ties an instance key to one buffer
+shape for good (reusing a key with another shape fails with "Shape mismatch in the collective
+instance"), and keeps every key it has seen; so the padded count is rounded up to one of a
+few buckets (at most 12.5% more rows: 8 buckets per power of two) and each bucket has its own
+fixed key, in a range of its own. A long run with varying sizes then uses a bounded set of
+keys (the engine module's docstring says why that matters).
+
+Under XLA (``jit_compile=True``) the allgather cannot compile: its output shape depends on the
+values exchanged. Broadcast and the reductions compile where the engine's allreduce does.
+
+Dtypes: the gather takes float16/32/64 and int32/64 as they are; bfloat16 travels as its
+16 bits (bitcast), bool and 8/16-bit integers as int32. The broadcast is a sum of the root's
+value and zeros from everyone else (one CollectiveReduceV2, the cost of an allreduce,
+whatever the number of ranks): values arrive exactly, except that a root's -0.0 arrives as 0.0.
+"""
+
+import zlib
+from typing import Any, List, Sequence
+
+import numpy as np
+
+#: instance keys of padded gathers: [_BUCKET_REGION, 2**31), blocks of _BLOCK keys, one block
+#: per gather signature and one key per bucket in it (the engine's derived keys live in
+#: [1, 2**30], its counter counts up from 2**30: it would need 2**29 executions to get here)
+_BUCKET_REGION = 3 * 2 ** 29
+_BLOCK = 1024
+_BLOCKS = (2 ** 31 - _BUCKET_REGION) // _BLOCK
+#: dtypes CollectiveGatherV2 takes as they are (TensorFlow 2.21, CPU)
+_GATHERABLE = ("float32", "float16", "float64", "int32", "int64")
+_REDUCIBLE = _GATHERABLE + ("bfloat16",)
+_MERGE_OPS = {"sum": "Add", "min": "Min", "max": "Max", "product": "Mul"}
+
+
+def _tf():
+    import tensorflow as tf
+    return tf
+
+
+def _to_wire(tensor, allowed):
+    """(tensor in a dtype the collective takes, function bringing a result back)."""
+    tf = _tf()
+    dtype = tensor.dtype
+    if dtype.name in allowed:
+        return tensor, lambda result: result
+    if dtype == tf.bfloat16:  # a copy keeps the bits: travel as float16's 16 bits
+        return (tf.bitcast(tensor, tf.float16),
+                lambda result: tf.bitcast(result, tf.bfloat16))
+    if dtype in (tf.bool, tf.int8, tf.int16, tf.uint8, tf.uint16):
+        return tf.cast(tensor, tf.int32), lambda result: tf.cast(result, dtype)
+    if dtype in (tf.uint32, tf.uint64):
+        wide = tf.int64
+        return tf.cast(tensor, wide), lambda result: tf.cast(result, dtype)
+    raise TypeError(f"mgpu: no TensorFlow collective for dtype {dtype.name}: expected a float, "
+                    f"integer or bool tensor. Cast it (e.g. tf.cast(x, tf.float32)) first.")
+
+
+def _check_dynamic_ok(what: str) -> None:
+    from tensorflow.python.framework import ops
+    from tensorflow.python.ops import control_flow_util
+
+    if control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
+        raise ValueError(
+            f"mgpu: {what} cannot be compiled with XLA (its result's shape depends on the "
+            f"other ranks' sizes). Call it from a tf.function without jit_compile=True, or "
+            f"use allreduce / broadcast, whose shapes are static.")
+
+
+def _position(engine, base) -> int:
+    """How many collectives of signature `base` the graph being traced issued before this one
+    (0 eagerly): part of a collective's key, so every rank derives the same keys."""
+    tf = _tf()
+    from tensorflow.python.framework import ops
+
+    if tf.executing_eagerly():
+        return 0
+    seen = engine._positions.setdefault(ops.get_default_graph(), {})
+    seen[base] = seen.get(base, -1) + 1
+    return seen[base]
+
+
+def _bucket(rows):
+    """(padded row count >= rows, bucket number < _BLOCK) for an int64 scalar `rows`."""
+    tf = _tf()
+    powers = tf.constant([1 << k for k in range(63)], tf.int64)
+    bit_length = tf.reduce_sum(tf.cast(rows >= powers, tf.int64))
+    shift = tf.maximum(bit_length - 4, 0)  # below 16 rows: exact; above: 8..16 units of 2**shift
+    unit = tf.bitwise.left_shift(tf.constant(1, tf.int64), shift)
+    units = (rows + unit - 1) // unit
+    return units * unit, shift * 17 + units
+
+
+def _bucket_key_base(engine, signature: str) -> int:
+    blocks = engine.__dict__.setdefault("_bucket_blocks", {})
+    block = zlib.crc32(signature.encode()) % _BLOCKS
+    known = blocks.setdefault(block, signature)
+    if known != signature:
+        raise RuntimeError(
+            f"mgpu: two different TensorFlow gathers ({known} and {signature}) map to key block "
+            f"{block}. This is a hash collision, not a mistake of yours; report it, and "
+            f"meanwhile change one tensor's trailing shape or dtype.")
+    return _BUCKET_REGION + block * _BLOCK
+
+
+def _gather_equal(engine, tensor, key):
+    tf = _tf()
+    return tf.raw_ops.CollectiveGatherV2(
+        input=tensor, group_size=engine.size, group_key=1, instance_key=key,
+        ordering_token=[engine._ordering_token.handle],
+        communication_hint=engine.implementation, timeout_seconds=engine.timeout)
+
+
+def allgather_rows(engine, tensors: Sequence[Any]) -> List[Any]:
+    """Every rank's `tensors` concatenated along axis 0, in rank order.
+
+    All `tensors` have the same number of rows on one rank (it may differ between ranks); their
+    other dimensions and dtypes must agree across ranks. One gather of the row counts serves
+    them all. Scalars count as one row.
+    """
+    tf = _tf()
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    tensors = [tf.reshape(t, [1]) if t.shape.rank == 0 else t for t in tensors]
+    if engine.size == 1:
+        return [tf.identity(t) for t in tensors]
+    if engine.transport == "mpi":
+        return [_mpi_allgather(engine, t) for t in tensors]
+    _check_dynamic_ok("allgather")
+    rows = tf.shape(tensors[0], out_type=tf.int64)[:1]
+    counts = _gather_equal(engine, rows, engine._instance_key_for(rows, kind="rows"))
+    padded, bucket = _bucket(tf.reduce_max(counts))
+    results = []
+    for tensor in tensors:
+        wire, back = _to_wire(tensor, _GATHERABLE)
+        rest = wire.shape[1:]
+        signature = f"gather:{wire.dtype.name}:{rest.as_list()}"
+        base = _bucket_key_base(engine, f"{signature}:{_position(engine, signature)}")
+        key = tf.cast(base + bucket, tf.int32)
+        pad = tf.concat([[padded - rows[0]], tf.zeros([rest.rank], tf.int64)], axis=0)
+        wire = tf.pad(wire, tf.stack([tf.zeros_like(pad), pad], axis=1))
+        gathered = _gather_equal(engine, wire, key)
+        gathered = tf.reshape(gathered, tf.concat(
+            [[engine.size, padded], tf.shape(wire, out_type=tf.int64)[1:]], axis=0))
+        kept = tf.boolean_mask(gathered, tf.sequence_mask(counts, padded))
+        results.append(back(tf.ensure_shape(kept, [None] + rest.as_list())))
+    return results
+
+
+def broadcast(engine, tensor, root_rank: int):
+    """Rank `root_rank`'s `tensor` on every rank (same shape and dtype everywhere)."""
+    tf = _tf()
+    tensor = tf.convert_to_tensor(tensor)
+    if engine.size == 1:
+        return tf.identity(tensor)
+    if engine.transport == "mpi":
+        return _mpi_broadcast(engine, tensor, root_rank)
+    engine._check_not_xla()
+    wire, back = _to_wire(tensor, _REDUCIBLE)
+    mine = wire if engine.comm.Get_rank() == root_rank else tf.zeros_like(wire)
+    summed = tf.raw_ops.CollectiveReduceV2(
+        input=mine, group_size=engine.size, group_key=1,
+        instance_key=engine._instance_key_for(mine, kind="bcast"),
+        ordering_token=[engine._ordering_token.handle], merge_op="Add", final_op="Id",
+        communication_hint=engine.implementation, timeout_seconds=engine.timeout)
+    return back(summed)
+
+
+def reduce(engine, tensor, op: str):
+    """`tensor` combined over the ranks elementwise by `op`: "sum", "min", "max" or "product"."""
+    tf = _tf()
+    tensor = tf.convert_to_tensor(tensor)
+    if engine.size == 1:
+        return tf.identity(tensor)
+    if engine.transport == "mpi":
+        return _mpi_reduce(engine, tensor, op)
+    engine._check_not_xla()
+    wire, back = _to_wire(tensor, _REDUCIBLE)  # value-preserving casts: the op is unchanged
+    return back(tf.raw_ops.CollectiveReduceV2(
+        input=wire, group_size=engine.size, group_key=1,
+        instance_key=engine._instance_key_for(wire, kind=op),
+        ordering_token=[engine._ordering_token.handle], merge_op=_MERGE_OPS[op], final_op="Id",
+        communication_hint=engine.implementation, timeout_seconds=engine.timeout))
+
+
+def reduce_sparse(engine, gradient, *, scale: float, compression=None):
+    """An ``IndexedSlices`` gradient summed over the ranks the way one process would hold it:
+    every rank's slices side by side (values and indices gathered, values times `scale`).
+
+    The inner optimizer then sees what a single process with the ranks' batches together
+    would: Adam squares each slice before summing duplicates, so summing first (densifying)
+    gives another result.
+    """
+    tf = _tf()
+    values = gradient.values
+    wire = compression.compress(values) if compression else values
+    gathered, indices = allgather_rows(engine, [wire, gradient.indices])
+    if compression:
+        gathered = compression.decompress(gathered, values.dtype)
+    if scale != 1.0:
+        gathered = gathered * tf.cast(scale, gathered.dtype)
+    return tf.IndexedSlices(gathered, indices, dense_shape=gradient.dense_shape)
+
+
+# -- MGPU_TF_TRANSPORT=mpi: the buffers leave the graph for MPI (CPU, no XLA) ------------------
+def _host_call(function, tensor, dtype, shape):
+    tf = _tf()
+    result = tf.numpy_function(function, [tensor], dtype, stateful=True)
+    result.set_shape(shape)
+    return result
+
+
+def _mpi_allgather(engine, tensor):
+    comm = engine.comm
+
+    def gather(array):
+        array = np.ascontiguousarray(array)
+        rows = comm.allgather(array.shape[0])
+        row_bytes = int(np.prod(array.shape[1:], dtype=np.int64)) * array.itemsize
+        out = np.empty((sum(rows),) + array.shape[1:], array.dtype)
+        counts = [count * row_bytes for count in rows]
+        comm.Allgatherv(array.view(np.uint8).reshape(-1), [out.view(np.uint8).reshape(-1), counts])
+        return out
+
+    return _host_call(gather, tensor, tensor.dtype, [None] + tensor.shape[1:].as_list())
+
+
+def _mpi_broadcast(engine, tensor, root_rank):
+    comm = engine.comm
+
+    def bcast(array):
+        out = np.ascontiguousarray(array).copy()
+        comm.Bcast(out.view(np.uint8).reshape(-1), root=root_rank)
+        return out
+
+    return _host_call(bcast, tensor, tensor.dtype, tensor.shape)
+
+
+def _mpi_reduce(engine, tensor, op):
+    from mpi4py import MPI
+    comm = engine.comm
+    mpi_op = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "product": MPI.PROD}[op]
+
+    def host_reduce(array):
+        wire = array if array.dtype.itemsize >= 4 else array.astype(np.float32)
+        out = np.empty_like(wire)
+        comm.Allreduce(np.ascontiguousarray(wire), out, op=mpi_op)
+        return out.astype(array.dtype, copy=False)
+
+    return _host_call(host_reduce, tensor, tensor.dtype, tensor.shape)
