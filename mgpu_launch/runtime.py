@@ -11,7 +11,7 @@ import dataclasses
 import sys
 from typing import Any, Callable, List, Optional, Tuple
 
-from mgpu_launch import stall
+from mgpu_launch import _auth, stall
 from mgpu_launcher import environments, worker
 
 
@@ -33,6 +33,7 @@ class State:
     source: str = "single"
     comm: Any = None  # mpi4py communicator (a duplicate of COMM_WORLD), None on one process
     host_address: Optional[str] = None  # as the other hosts dial it (rendezvous.job_host_address)
+    job_key: Optional[bytes] = None  # rank 0's random secret of this job (mgpu_launch._auth)
     previous_excepthook: Any = None
 
     def require(self) -> "State":
@@ -117,6 +118,7 @@ def init() -> None:
         local.Free()
         cross.Free()
         fresh.comm = comm
+        fresh.job_key = _auth.share_job_key(comm)  # MPI: the bootstrap every rank joined through
         fresh.previous_excepthook = sys.excepthook
         sys.excepthook = _abort_on_uncaught
     vars(state).update(vars(fresh))

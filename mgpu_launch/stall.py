@@ -7,10 +7,12 @@ records where it is in the training step protocol (:func:`mark`, called by the p
 ``mgpu_launch.stall_probes`` adds to ``fit``), and a side channel that does not need the MPI
 communicator to be free carries that position to rank 0:
 
-* rank 0 listens on a TCP port of its host (the host the runtime's rendezvous uses) and MPI
-  shares the address once, at ``mgpu.init()``;
-* every other rank runs a daemon thread that sends its position when it changed, at most every
-  :data:`REPORT_INTERVAL_S` seconds (one short JSON line);
+* rank 0 listens on a TCP port of the job's host address (``MGPU_STALL_PORT`` pins it; default
+  any free port) and MPI shares the address once, at ``mgpu.init()``;
+* every other rank connects, proves the job's key (mgpu_launch._auth: a connection that does
+  not, or that sends anything malformed, is closed and changes nothing) and runs a daemon
+  thread that sends its position when it changed, at most every :data:`REPORT_INTERVAL_S`
+  seconds (one short signed line; mgpu_launch.stall_channel);
 * rank 0's monitor thread compares the positions. When the ranks are at different places and no
   rank has moved for ``MGPU_STALL_WARNING_S`` seconds (default 60), it prints one warning::
 
@@ -28,16 +30,13 @@ training thread.
 """
 
 import faulthandler
-import json
 import os
-import selectors
-import socket
 import sys
 import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
-from mgpu_launch import rendezvous
+from mgpu_launch import _auth, rendezvous, stall_channel
 from mgpu_launcher import worker
 
 #: seconds between two position reports of a rank (and between two checks on rank 0)
@@ -174,96 +173,55 @@ def settings() -> Tuple[bool, Optional[float], Optional[float]]:
     return enabled, _seconds("MGPU_STALL_WARNING_S", 60.0), _seconds("MGPU_STALL_SHUTDOWN_S", None)
 
 
-def _send_line(sock: socket.socket, message: dict) -> None:
-    sock.sendall((json.dumps(message) + "\n").encode())
+def port() -> int:
+    """``MGPU_STALL_PORT``: the port rank 0 listens on (0, the default: any free port).
 
-
-class Reporter(threading.Thread):
-    """A non-zero rank's side of the channel: sends its position, answers stack requests."""
-
-    def __init__(self, rank: int, sock: socket.socket):
-        super().__init__(name="mgpu-stall-reporter", daemon=True)
-        self.rank, self.sock, self.stopped = rank, sock, threading.Event()
-
-    def run(self) -> None:
-        sent = None
-        selector = selectors.DefaultSelector()
-        selector.register(self.sock, selectors.EVENT_READ)
-        try:
-            while not self.stopped.is_set():
-                where = _position
-                if where != sent:
-                    _send_line(self.sock, {"rank": self.rank, "position": list(where)})
-                    sent = where
-                if selector.select(REPORT_INTERVAL_S):
-                    request = self.sock.recv(4096)
-                    if not request:
-                        return  # rank 0 went away: the job is ending
-                    if b"stacks" in request:
-                        print(f"mgpu: stall: rank {self.rank}'s Python stacks (asked by rank 0):",
-                              file=sys.stderr, flush=True)
-                        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        except OSError:
-            return
-        finally:
-            selector.close()
-
-    def stop(self) -> None:
-        self.stopped.set()
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+    Raises:
+        ValueError: it is not a port number.
+    """
+    raw = os.environ.get("MGPU_STALL_PORT", "").strip()
+    if not raw:
+        return 0
+    try:
+        number = int(raw)
+    except ValueError:
+        number = -1
+    if not 0 <= number <= 65535:
+        raise ValueError(f"MGPU_STALL_PORT={raw!r}: expected a TCP port number 1-65535 that "
+                         f"the other hosts may reach (0: any free port), e.g. "
+                         f"MGPU_STALL_PORT=29400")
+    return number
 
 
 class Monitor(threading.Thread):
     """Rank 0's side: collects the positions, warns about a stall, and may end the job."""
 
-    def __init__(self, listener: socket.socket, warning_s: float, shutdown_s: Optional[float]):
+    def __init__(self, server: stall_channel.PositionServer, warning_s: float,
+                 shutdown_s: Optional[float]):
         super().__init__(name="mgpu-stall-monitor", daemon=True)
-        self.listener = listener
+        self.server = server
         self.warning_s, self.shutdown_s = warning_s, shutdown_s
         self.positions: Dict[int, Position] = {0: _position}
-        self.connections: Dict[int, socket.socket] = {}
         self.stopped = threading.Event()
         self.warned_at: Optional[float] = None
 
     def run(self) -> None:
-        selector = selectors.DefaultSelector()
-        selector.register(self.listener, selectors.EVENT_READ, None)
-        buffers: Dict[socket.socket, bytes] = {}
         last_move = time.monotonic()
         try:
             while not self.stopped.is_set():
-                for key, _ in selector.select(REPORT_INTERVAL_S):
-                    if key.fileobj is self.listener:
-                        connection, _ = self.listener.accept()
-                        selector.register(connection, selectors.EVENT_READ, "rank")
-                        buffers[connection] = b""
-                        continue
-                    data = key.fileobj.recv(65536)
-                    if not data:
-                        selector.unregister(key.fileobj)
-                        continue
-                    buffers[key.fileobj] += data
-                    *lines, buffers[key.fileobj] = buffers[key.fileobj].split(b"\n")
-                    for line in lines:
-                        message = json.loads(line)
-                        rank, where = message["rank"], tuple(message["position"])
-                        self.connections[rank] = key.fileobj
-                        if self.positions.get(rank) != where:
-                            self.positions[rank] = where
-                            last_move = time.monotonic()
-                if self.positions[0] != _position:
-                    self.positions[0] = _position
-                    last_move = time.monotonic()
+                received = self.server.poll(REPORT_INTERVAL_S)  # only authenticated ranks'
+                received[0] = _position
+                for rank, where in received.items():
+                    if self.positions.get(rank) != where:
+                        self.positions[rank] = where
+                        last_move = time.monotonic()
                 self.check(time.monotonic() - last_move)
-        except (OSError, ValueError) as error:
-            if not self.stopped.is_set():  # (stop() closes the sockets under the selector)
+        except OSError as error:  # the listener itself failed
+            if not self.stopped.is_set():
                 print(f"mgpu: stall inspector stopped: {type(error).__name__}: {error}",
                       file=sys.stderr, flush=True)
         finally:
-            selector.close()
+            self.server.close()
 
     def check(self, still_for: float) -> None:
         if still_for < self.warning_s and (self.shutdown_s is None or still_for < self.shutdown_s):
@@ -289,57 +247,61 @@ class Monitor(threading.Thread):
 
     def ask_for_stacks(self, ranks: List[int]) -> None:
         for rank in ranks:
-            connection = self.connections.get(rank)
-            if connection is not None:
-                try:
-                    connection.sendall(b"stacks\n")
-                except OSError:
-                    pass
+            self.server.ask_for_stacks(rank)
         if 0 in ranks:
             print("mgpu: stall: rank 0's Python stacks:", file=sys.stderr, flush=True)
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
     def stop(self) -> None:
         self.stopped.set()
-        for sock in [self.listener, *self.connections.values()]:
-            try:
-                sock.close()
-            except OSError:
-                pass
+        self.server.wake()
+        if self.is_alive() and self is not threading.current_thread():
+            self.join(2 * REPORT_INTERVAL_S)
 
 
 def start(state) -> None:
     """Start the inspector of a multi-process job (runtime hook of ``mgpu.init()``).
 
-    Collective: every rank calls it, after MPI is up. An unreachable rank 0 only turns the
+    Collective: every rank calls it, after MPI is up and the job key is shared. Rank 0 listens
+    on the job's host address (``MGPU_STALL_PORT``, else a free port); the other ranks connect
+    and prove the job key (mgpu_launch._auth). A rank that cannot reach rank 0 only turns the
     inspector off on that rank, with a warning; it never fails the job.
 
     Raises:
-        ValueError: ``MGPU_STALL_WARNING_S`` / ``MGPU_STALL_SHUTDOWN_S`` are not numbers > 0.
+        ValueError: ``MGPU_STALL_WARNING_S`` / ``MGPU_STALL_SHUTDOWN_S`` are not numbers > 0,
+            or ``MGPU_STALL_PORT`` is not a port number.
+        RuntimeError: rank 0 cannot listen on ``MGPU_STALL_PORT`` (on every rank).
     """
     global _inspector, _position
     enabled, warning_s, shutdown_s = settings()
     if not enabled or state.size < 2 or _inspector is not None:
         return
+    listen_port = port()  # on every rank: a bad value fails them all alike
     _position = (0, STARTED, "")
-    listener = address = None
+    server = address = problem = None
     host = rendezvous.job_host_address(state)  # collective; not 127.0.1.1 across hosts
     if state.rank == 0:
-        listener = socket.create_server(("", 0), backlog=state.size)
-        address = f"{host}:{listener.getsockname()[1]}"
-    address = state.comm.bcast(address, root=0)
-    if state.rank == 0:
-        _inspector = Monitor(listener, warning_s or float("inf"), shutdown_s)
-    else:
-        host, _, port = address.rpartition(":")
         try:
-            sock = socket.create_connection((host, int(port)), timeout=10)
-            sock.settimeout(None)
+            server = stall_channel.PositionServer(host, listen_port, state.job_key, state.size)
+            address = f"{host}:{server.port}"
         except OSError as error:
+            problem = (f"the stall inspector cannot listen on {host}:{listen_port} "
+                       f"(MGPU_STALL_PORT={os.environ.get('MGPU_STALL_PORT', '')!r}): {error}. "
+                       f"Pick a port that is free on rank 0's host, or unset MGPU_STALL_PORT.")
+    address, problem = state.comm.bcast((address, problem), root=0)
+    if problem:
+        raise RuntimeError(problem)
+    if state.rank == 0:
+        _inspector = Monitor(server, warning_s or float("inf"), shutdown_s)
+    else:
+        host, _, number = address.rpartition(":")
+        try:
+            channel = _auth.connect(host, int(number), state.job_key, state.rank, timeout=10)
+        except (OSError, _auth.Rejected) as error:
             print(f"mgpu: warning: the stall inspector is off on rank {state.rank}: it cannot "
                   f"reach rank 0 at {address} ({error}).", file=sys.stderr, flush=True)
             return
-        _inspector = Reporter(state.rank, sock)
+        _inspector = stall_channel.Reporter(state.rank, channel, position, REPORT_INTERVAL_S)
     _inspector.start()
 
 

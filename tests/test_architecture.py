@@ -20,13 +20,16 @@ SOURCES = {"launcher": "mgpu_launcher", "mgpu_launch": "mgpu_launch"}
 LAYERS = [
     ("launcher", ["mgpu_launcher"]),
     ("runtime", ["mgpu_launch.runtime", "mgpu_launch.rendezvous", "mgpu_launch.stall",
+                 "mgpu_launch.stall_channel", "mgpu_launch._auth",
                  "mgpu_launch.prefetch", "mgpu_launch.compression", "mgpu_launch.launch"]),
     ("collectives", ["mgpu_launch.collectives"]),
     ("engines", ["mgpu_launch.engines"]),
     ("Keras glue", ["mgpu_launch.fit_guard", "mgpu_launch.stall_probes",
                     "mgpu_launch.epoch_resume", "mgpu_launch.keras_patches",
-                    "mgpu_launch.optimizer",
-                    "mgpu_launch.callbacks", "mgpu_launch.data", "mgpu_launch.keras"]),
+                    "mgpu_launch.optimizer", "mgpu_launch.optimizer_step",
+                    "mgpu_launch.callbacks", "mgpu_launch.data",
+                    "mgpu_launch.batch_statistics", "mgpu_launch.layers",
+                    "mgpu_launch.keras"]),
     ("tools and public API", ["mgpu_launch.bench", "mgpu_launch"]),
 ]
 

@@ -13,7 +13,8 @@ FAULT_EVERY_ATTEMPT=1):
 Every rank writes OUT_DIR/pid.<rank>.<attempt> (its pid) at the start and
 OUT_DIR/reached.<rank>.<attempt> (time.time()) when it finishes step STEP; rank 1 writes
 OUT_DIR/fault.<attempt> (time.time()) just before the fault. Epochs: FAULT_EPOCHS (default 2),
-16 steps each.
+16 steps each. With FAULT_GO_FILE=PATH every rank writes OUT_DIR/ready.<rank>.<attempt> before
+fit and waits there (all at one place: no stall) until PATH exists.
 """
 
 import os
@@ -70,6 +71,11 @@ class Fault(keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+go_file = os.environ.get("FAULT_GO_FILE")
+if go_file:
+    write(f"ready.{rank}.{attempt}", time.time())
+    while not os.path.exists(go_file):
+        time.sleep(0.1)
 model.fit(x, y, batch_size=4, epochs=int(os.environ.get("FAULT_EPOCHS", "2")), shuffle=False,
           verbose=0, callbacks=[Fault()])
 print(f"rank {rank} finished")
