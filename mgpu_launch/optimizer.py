@@ -34,9 +34,11 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             ``backward_passes_per_step`` (True, default) or keep their sum.
         gradient_predivide_factor: with ``op=Average``, divide by this factor before the sum
             and by ``size / factor`` after it (Horovod's option, for fp16 range).
-        sparse_as_dense: accepted for Horovod compatibility. Sparse gradients (embedding
-            ``IndexedSlices``) are always made dense before the allreduce; the allgather of
-            sparse slices is not implemented.
+        sparse_as_dense: TensorFlow's sparse gradients (``tf.IndexedSlices`` of an
+            ``Embedding``): False (default, as Horovod) gathers every rank's slices, so the
+            inner optimizer sees what one process would (exact, e.g. for Adam); True sums them
+            as dense tensors (cheaper when a batch touches a large share of the table, see
+            docs/training-recipe.md). Other backends have dense gradients only.
         cuda_graph: torch backend on GPUs: capture the whole train step in one CUDA graph and
             replay it (True), keep it eager (False), or follow ``MGPU_TORCH_CUDA_GRAPH=1``
             (None, default). Falls back to eager with one warning when the step cannot be
@@ -187,7 +189,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def _reduce(self, grads: List[Any], variables) -> List[Any]:
         if not runtime.is_multi_process():
             return grads
-        return engines.get_engine().reduce_gradients(grads, variables, **self._reduction())
+        return engines.get_engine().reduce_gradients(grads, variables, **self._reduction(),
+                                                     sparse_as_dense=self.sparse_as_dense)
 
     def _reduction(self) -> dict:
         factor = self.gradient_predivide_factor
