@@ -27,7 +27,7 @@ from typing import Any, Optional
 import keras
 import numpy as np
 
-from mgpu_launch import collectives, runtime
+from mgpu_launch import collectives, keras_patches, runtime
 # Re-exported: the prefetcher lived here before it moved below the engines.
 from mgpu_launch.prefetch import Prefetcher, prefetch_depth  # noqa: F401
 
@@ -50,6 +50,8 @@ def _agree(batches: int, what: str) -> int:
 
 class ShardedArrays(keras.utils.PyDataset):
     """Batches of this rank's part of in-memory arrays; reshuffled every epoch, in step."""
+
+    keeps_its_order = True  # fit does not reorder it (epoch_resume.keeps_its_order)
 
     def __init__(self, data, batch_size: int, shuffle: bool, seed: int):
         super().__init__()
@@ -99,6 +101,8 @@ class ShardedPyDataset(keras.utils.PyDataset):
     engines accept, but JAX's step needs equal shapes on every rank (a clear MismatchError):
     on JAX give a PyDataset whose batches are all full.
     """
+
+    keeps_its_order = True
 
     def __init__(self, dataset: keras.utils.PyDataset):
         super().__init__()
@@ -170,6 +174,7 @@ def shard(data: Any, batch_size: Optional[int] = None, shuffle: bool = False, se
         >>> train = mgpu.data.shard((x_train, y_train), batch_size=64, shuffle=True)
         >>> model.fit(train, epochs=5, validation_data=mgpu.data.shard((x_val, y_val), 64))
     """
+    keras_patches.apply("fit")  # fit keeps the order of what shard returns
     if isinstance(data, keras.utils.PyDataset):
         return ShardedPyDataset(data)
     if type(data).__module__.startswith("tensorflow") and hasattr(data, "shard"):

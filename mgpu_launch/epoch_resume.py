@@ -9,7 +9,45 @@ Exact for ``mgpu.data.shard`` (its shuffle is seeded per epoch, so any epoch's o
 rebuilt) and for data without shuffling; ``fit(shuffle=True)`` cannot be replayed and warns.
 """
 
+import contextlib
 import warnings
+
+_training_data = None  # fit's x while a patched fit runs (BackupAndRestore asks its position)
+_warned_shuffle = []
+
+
+def keeps_its_order(data, arguments) -> bool:
+    """Whether `data` is ``mgpu.data.shard``'s, whose batches ``fit`` must not reorder.
+
+    Its shuffle is seeded per epoch, so a restarted job can rebuild any epoch's order; Keras's
+    ``fit(shuffle=True)`` (the default) would reorder the batches again with a random state
+    nothing can replay. ``fit`` therefore runs it with ``shuffle=False``; an explicit
+    ``shuffle=True`` is ignored, with a warning once.
+    """
+    if not getattr(data, "keeps_its_order", False):
+        return False
+    if arguments.get("shuffle") is True and not _warned_shuffle:
+        _warned_shuffle.append(True)
+        warnings.warn("fit(shuffle=True) is ignored for mgpu.data.shard data: its batches keep "
+                      "shard's order, so that a restarted job can resume it exactly. Shuffle "
+                      "with mgpu.data.shard(..., shuffle=True, seed=...).", stacklevel=4)
+    return True
+
+
+@contextlib.contextmanager
+def training_on(data):
+    """Make `data` the :func:`training_data` while a ``fit`` on it runs."""
+    global _training_data
+    previous, _training_data = _training_data, data
+    try:
+        yield
+    finally:
+        _training_data = previous
+
+
+def training_data():
+    """The ``x`` of the ``fit`` that runs now, when the ``fit`` patch saw it (else None)."""
+    return _training_data
 
 
 def move_data_on(adapter, epochs: int) -> None:

@@ -16,7 +16,8 @@ Keras attribute                            backend   why
 ``Model.fit``                              all       add the pre-training agreement check
                                                      (``mgpu_launch.fit_guard``), multi-process,
                                                      and the stall inspector's step probes
-                                                     (``mgpu_launch.stall_probes``)
+                                                     (``mgpu_launch.stall_probes``); keep the
+                                                     order of ``mgpu.data.shard`` data (any model)
 ``JAXEpochIterator._get_iterator``         jax       feed batches from the device prefetcher
 ``TorchEpochIterator._get_iterator``       torch     feed batches from the device prefetcher
 ``JAXTrainer.make_train_function``         jax       run the train step under the engine's
@@ -248,15 +249,19 @@ def _fit(original):
         ours = uses_distributed_optimizer(self)
         guarded = ours and runtime.is_multi_process()
         probed = ours and stall_probes.wanted()
-        if not (guarded or probed):
-            return original(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs)
+        ordered = epoch_resume.keeps_its_order(bound.arguments.get("x"), bound.arguments)
+        if not (guarded or probed or ordered):
+            return original(self, *args, **kwargs)
         bound.apply_defaults()
+        if ordered:  # shard() shuffles replayably; fit's shuffle could not be replayed
+            bound.arguments["shuffle"] = False
         if guarded:
             fit_guard.add_agreement_check(bound.arguments)
         if probed:
             stall_probes.add_probes(bound.arguments)
-        return original(*bound.args, **bound.kwargs)
+        with epoch_resume.training_on(bound.arguments["x"]):
+            return original(*bound.args, **bound.kwargs)
     return fit
 
 

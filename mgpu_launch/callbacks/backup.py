@@ -37,8 +37,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     numbers. The resumed run then ends with exactly the weights of an uninterrupted one for a
     deterministic model when the batches come in the interrupted run's order:
 
-    - ``mgpu.data.shard`` data (arrays or a PyDataset) with ``fit(..., shuffle=False)``: exact
-      on every backend; shard's own shuffling is seeded by the epoch number.
+    - ``mgpu.data.shard`` data (arrays or a PyDataset), with any ``fit`` call: exact on every
+      backend; shard's own shuffling is seeded by the epoch number, and ``fit`` never reorders
+      shard's batches (its ``shuffle`` is ignored for them).
     - another PyDataset: exact if its order depends only on how often ``on_epoch_end`` was
       called (it is called E times before training resumes).
     - numpy arrays with ``fit(shuffle=False)``: exact. With Keras's shuffling (``fit``'s
@@ -54,7 +55,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         delete_checkpoint: remove the folder when ``fit`` finishes normally.
 
     Example:
-        >>> model.fit(mgpu.data.shard((x, y), 64, shuffle=True), epochs=90, shuffle=False,
+        >>> model.fit(mgpu.data.shard((x, y), 64, shuffle=True), epochs=90,
         ...           callbacks=[mgpu.callbacks.BackupAndRestore("/scratch/job-42/backup",
         ...                                                      save_freq=500)])
     """
