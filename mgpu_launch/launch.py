@@ -3,7 +3,7 @@
 For notebooks and Python drivers (what ``horovod.run`` and accelerate's ``notebook_launcher``
 do). The function, its arguments and later its results travel as pickles through a folder:
 
-1. the caller pickles ``(fn, args, kwargs)`` into a fresh work folder;
+1. the caller pickles ``(fn, args, kwargs)`` into a work folder of its own (see below);
 2. it starts the job through the same launcher as ``mgpu-train -np N`` (standalone mpirun,
    rank-tagged output, a failing rank ends the job), each rank running
    ``python -m mgpu_launch.launch WORK_DIR``;
@@ -16,21 +16,36 @@ Pickling uses ``cloudpickle`` when it is installed: it sends functions defined i
 in ``python -c`` (``__main__``), lambdas and closures by value. Plain ``pickle`` sends functions
 by reference (module and name), so without cloudpickle fn must live in an importable module.
 
+Nobody else can swap what travels (docs/security.md): the caller creates the work folder
+itself (mode 0700), or accepts an existing one only when it is its own and nobody else may
+write in it; every file is created anew (``O_EXCL | O_NOFOLLOW``, mode 0600), so a planted
+symbolic link is never written through; and the payload and each result carry an HMAC under a
+key of this call alone, handed to the ranks in their environment (``MGPU_RUN_KEY``): a file
+whose HMAC does not match is an error, never unpickled.
+
 This module imports no deep-learning framework: only the caller's fn does, on the ranks.
 """
 
 import json
 import os
 import pickle
+import re
 import shutil
+import stat
 import sys
 import tempfile
 import traceback
 from typing import Any, Callable, Dict, Optional, Sequence
 
+from mgpu_launch import _auth
 from mgpu_launcher import cli, mpirun, supervisor
 
 PAYLOAD = "payload.pkl"
+#: the ranks' environment variable with the call's key (hex); never on a command line
+KEY_VARIABLE = "MGPU_RUN_KEY"
+# The files a call writes (and the next call in the same work_dir removes first).
+_OUR_FILE = re.compile(r"^(payload\.pkl|result\.\d+\.pkl|error\.\d+\.json|"
+                       r"\.(result\.\d+\.pkl|error\.\d+\.json)\.partial-\d+)$")
 
 
 class RemoteError(RuntimeError):
@@ -117,6 +132,9 @@ def run(fn: Callable, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]]
         mpirun_args: extra mpirun arguments, as a list.
         all_ranks_output: show every rank's stdout, not only rank 0's.
         work_dir: where the pickles go (default: a temporary folder, removed afterwards).
+            Created with mode 0700 when it does not exist; an existing one must be a folder
+            of yours that no other user may write in (else PermissionError). Files of an
+            earlier call there are replaced.
 
     Returns:
         What fn returned on rank 0, or the list of every rank's results with `all_ranks`.
@@ -124,7 +142,9 @@ def run(fn: Callable, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]]
     Raises:
         TypeError: fn, args or kwargs cannot be pickled (the message says how to fix it).
         ValueError: np is not a whole number >= 1.
+        PermissionError: `work_dir` is not a folder of yours that only you may write in.
         RemoteError: a rank failed; the message has its traceback.
+        RuntimeError: a result file does not carry this call's HMAC (someone changed it).
 
     Example:
         >>> def train(epochs):
@@ -140,12 +160,12 @@ def run(fn: Callable, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]]
     _dumps(fn, "fn")  # alone first: its message names the function
     payload = _dumps((fn, tuple(args), dict(kwargs or {})), "args/kwargs")
     own_dir = work_dir is None
-    folder = tempfile.mkdtemp(prefix="mgpu-run-") if own_dir else os.path.abspath(work_dir)
-    os.makedirs(folder, exist_ok=True)
+    folder = tempfile.mkdtemp(prefix="mgpu-run-") if own_dir else own_folder(work_dir)
+    key = _auth.new_key()
     try:
-        with open(os.path.join(folder, PAYLOAD), "wb") as f:
-            f.write(payload)
+        _create(os.path.join(folder, PAYLOAD), _auth.sign(key, "payload", payload))
         forward = tuple(f"{name}={value}" for name, value in (env or {}).items())
+        forward += (f"{KEY_VARIABLE}={key.hex()}",)  # mpirun gets -x NAME: no value on argv
         config = cli.Config(kind="module", target=__name__, args=(folder,), np=np, hosts=hosts,
                             hostfile=hostfile, mpirun_args=tuple(mpirun_args), forward=forward,
                             all_ranks_output=all_ranks_output)
@@ -158,24 +178,23 @@ def run(fn: Callable, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]]
                                        stdout=sys.stdout, stderr=stderr, size=np,
                                        merge_window=cli.merge_window())
         if outcome.status != 0:
-            raise _failure(folder, outcome.status, "".join(stderr.text))
-        results = []
-        for rank in range(np if all_ranks else 1):
-            with open(os.path.join(folder, f"result.{rank}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
+            raise _failure(folder, key, outcome.status, "".join(stderr.text))
+        results = [pickle.loads(_read_signed(folder, key, f"result.{rank}.pkl", f"result {rank}"))
+                   for rank in range(np if all_ranks else 1)]
         return results if all_ranks else results[0]
     finally:
         if own_dir:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _failure(folder: str, status: int, console: str) -> RemoteError:
+def _failure(folder: str, key: bytes, status: int, console: str) -> RemoteError:
     """The first rank's error report (by time written), else the job's failure summary."""
-    reports = sorted((entry for entry in os.listdir(folder) if entry.startswith("error.")),
+    reports = sorted((entry for entry in os.listdir(folder)
+                      if entry.startswith("error.") and entry.endswith(".json")),
                      key=lambda entry: os.path.getmtime(os.path.join(folder, entry)))
     if reports:
-        with open(os.path.join(folder, reports[0])) as f:
-            report = json.load(f)
+        rank = reports[0].split(".")[1]
+        report = json.loads(_read_signed(folder, key, reports[0], f"error {rank}"))
         return RemoteError(
             f"mgpu_launch.run: rank {report['rank']} failed with {report['type']}: "
             f"{report['message']}\n\nTraceback on rank {report['rank']}:\n"
@@ -186,25 +205,113 @@ def _failure(folder: str, status: int, console: str) -> RemoteError:
                        f"Python exception on any rank:\n{summary}", None, None, summary, status)
 
 
-def _write(path: str, data: bytes) -> None:
-    with open(path + ".partial", "wb") as f:
+def own_folder(work_dir: str) -> str:
+    """`work_dir` as an absolute path, created 0700, or checked to be the caller's alone.
+
+    Files an earlier call left there are removed (the folder is ours: nobody else put them).
+
+    Raises:
+        PermissionError: it exists but is a symbolic link or not a folder, belongs to another
+            user, or others may write in it or in its parent (they could swap its files).
+    """
+    folder = os.path.abspath(work_dir)
+    parent = os.path.dirname(folder)
+    os.makedirs(parent, exist_ok=True)
+    problem = _unsafe(parent, "parent folder") if _others_may_swap(parent) else None
+    if problem is None:
+        try:
+            os.mkdir(folder, 0o700)
+            return folder
+        except FileExistsError:
+            problem = _unsafe(folder, "work_dir")
+    if problem:
+        raise PermissionError(
+            f"mgpu_launch.run: {problem}, so another user could swap the function, its "
+            f"arguments or its results. Fix: give a work_dir that does not exist yet in a "
+            f"folder of yours (mgpu_launch.run creates it, mode 0700), or leave work_dir out "
+            f"(a private temporary folder).")
+    for entry in os.listdir(folder):
+        if _OUR_FILE.match(entry):
+            os.remove(os.path.join(folder, entry))
+    return folder
+
+
+def _others_may_swap(parent: str) -> bool:
+    """Whether others may rename entries of `parent` (writable by all, no sticky bit)."""
+    mode = os.stat(parent).st_mode
+    return bool(mode & stat.S_IWOTH) and not mode & stat.S_ISVTX
+
+
+def _unsafe(path: str, what: str) -> Optional[str]:
+    """Why `path` (an existing entry) may not hold the call's files, or None when it may."""
+    info = os.lstat(path)
+    mode = stat.S_IMODE(info.st_mode)
+    if what == "parent folder":
+        return f"the parent folder {path!r} is writable by every user (mode {mode:04o}, no " \
+               f"sticky bit)"
+    if stat.S_ISLNK(info.st_mode):
+        return f"work_dir {path!r} is a symbolic link (to {os.readlink(path)!r})"
+    if not stat.S_ISDIR(info.st_mode):
+        return f"work_dir {path!r} exists and is not a folder"
+    if info.st_uid != os.geteuid():
+        return (f"work_dir {path!r} belongs to another user (uid {info.st_uid}; you are "
+                f"uid {os.geteuid()})")
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return (f"work_dir {path!r} is writable by its group or by every user "
+                f"(mode {mode:04o}; fix with chmod go-w)")
+    return None
+
+
+def _create(path: str, data: bytes) -> None:
+    """Write a new file (0600); fails on anything already there, a symbolic link included."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    with os.fdopen(os.open(path, flags, 0o600), "wb") as f:
         f.write(data)
-    os.replace(path + ".partial", path)
+
+
+def _read_signed(folder: str, key: bytes, name: str, label: str) -> bytes:
+    """A signed file's data; a file without this call's HMAC is an error, never unpickled."""
+    with os.fdopen(os.open(os.path.join(folder, name), os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
+        blob = f.read()
+    try:
+        return _auth.verify(key, label, blob)
+    except _auth.Rejected as error:
+        raise RuntimeError(f"mgpu_launch.run: {os.path.join(folder, name)}: {error}; it was "
+                           f"not unpickled. Is another program writing into {folder!r}?") from None
+
+
+def _write(folder: str, name: str, data: bytes) -> None:
+    partial = os.path.join(folder, f".{name}.partial-{os.getpid()}")
+    _create(partial, data)
+    os.replace(partial, os.path.join(folder, name))
 
 
 def run_rank(folder: str) -> None:
-    """One rank of an ``mgpu_launch.run`` job (``python -m mgpu_launch.launch WORK_DIR``)."""
+    """One rank of an ``mgpu_launch.run`` job (``python -m mgpu_launch.launch WORK_DIR``).
+
+    Raises:
+        RuntimeError: the payload does not carry the call's HMAC (``MGPU_RUN_KEY``), or that
+            variable is missing: nothing is unpickled.
+    """
     rank = int(os.environ.get("MGPU_RANK", "0"))
-    with open(os.path.join(folder, PAYLOAD), "rb") as f:
-        fn, args, kwargs = pickle.load(f)
+    hex_key = os.environ.pop(KEY_VARIABLE, "")  # fn's own child processes need not see it
+    try:
+        key = bytes.fromhex(hex_key)
+    except ValueError:
+        key = b""
+    if not key:
+        raise RuntimeError(f"mgpu_launch.launch: {KEY_VARIABLE} is not set (or not hex): this "
+                           f"module runs only as a rank of mgpu_launch.run, which sets it")
+    fn, args, kwargs = pickle.loads(_read_signed(folder, key, PAYLOAD, "payload"))
     try:
         result = _dumps(fn(*args, **kwargs), f"the value fn returned on rank {rank}")
     except BaseException as error:  # noqa: B036 - SystemExit and Ctrl-C are failures too
         report = {"rank": rank, "type": type(error).__name__, "message": str(error),
                   "traceback": "".join(traceback.format_exception(error))}
-        _write(os.path.join(folder, f"error.{rank}.json"), json.dumps(report).encode())
+        _write(folder, f"error.{rank}.json",
+               _auth.sign(key, f"error {rank}", json.dumps(report).encode()))
         raise  # the launcher's worker prints it, marks the failure and ends the job
-    _write(os.path.join(folder, f"result.{rank}.pkl"), result)
+    _write(folder, f"result.{rank}.pkl", _auth.sign(key, f"result {rank}", result))
 
 
 if __name__ == "__main__":

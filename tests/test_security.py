@@ -2,17 +2,24 @@
 
 import json
 import os
+import pickle
 import re
+import shutil
 import socket
+import stat
 import struct
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
 import pytest
 
 import faultkit
-from conftest import requires_mpirun
-from mgpu_launch import _auth, rendezvous, stall_channel
+import mgpu_launch
+from conftest import SCRIPTS, job_env, requires_mpirun
+from mgpu_launch import _auth, launch, rendezvous, stall_channel
 
 # --- the boundary itself, in one process --------------------------------------------------
 
@@ -193,3 +200,105 @@ def test_attacks_on_the_inspector_change_nothing(tmp_path):
     summary = run.stderr[run.stderr.index("mgpu-train: the job failed"):]
     assert "root cause: the job stalled: rank 1 has not entered step 6" in summary, run.explain()
     assert not faultkit.leftovers(out, wait=15), faultkit.leftovers(out)
+
+
+# --- mgpu_launch.run's work folder ------------------------------------------------------------
+
+
+class _Planted:
+    """A pickle that, when loaded, leaves a marker file: proof that someone's code ran."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _as_nobody(script):
+    """Run a shell script as user nobody; skip the test when this process cannot."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to act as another user (nobody)")
+    result = subprocess.run(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                             "sh", "-ec", script], capture_output=True, text=True, timeout=30)
+    if result.returncode != 0:
+        pytest.skip(f"cannot act as user nobody here: {result.stderr.strip()}")
+
+
+def test_another_users_work_folder_or_symlink_is_refused(tmp_path):
+    sys.path.insert(0, SCRIPTS)
+    import run_fns
+    base = tempfile.mkdtemp(prefix="mgpu-shared-", dir="/tmp")
+    try:
+        os.chmod(base, 0o1777)  # like /tmp: everyone may create entries, only owners rename
+        victim = tmp_path / "victim.txt"
+        victim.write_text("precious")
+        planted = pickle.dumps((_Planted(f"{base}/ran"), (), {}))
+        with open(f"{base}/planted.pkl", "wb") as f:
+            f.write(planted)
+        _as_nobody(f"""
+            cd {base}
+            mkdir -m 0777 open && cp planted.pkl open/payload.pkl
+            ln -s {victim} open/result.0.pkl
+            mkdir -m 0777 elsewhere && ln -s {base}/elsewhere link
+            mkdir -m 0755 theirs
+        """)
+        refusals = {"open": "belongs to another user", "link": "is a symbolic link",
+                    "theirs": "belongs to another user"}
+        for name, why in refusals.items():
+            with pytest.raises(PermissionError, match=f"work_dir '{base}/{name}' {why}.*"
+                                                      f"another user could swap"):
+                mgpu_launch.run(run_fns.rank_and_size, args=(0,), np=2,
+                                work_dir=f"{base}/{name}")
+        assert not os.path.exists(f"{base}/ran")  # their payload was never loaded
+        assert victim.read_text() == "precious"  # nothing written through their symlink
+        assert open(f"{base}/open/payload.pkl", "rb").read() == planted
+        assert os.listdir(f"{base}/elsewhere") == []
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_folder_writable_by_others_is_refused_even_when_it_is_ones_own(tmp_path):
+    folder = tmp_path / "shared"
+    folder.mkdir(mode=0o777)
+    folder.chmod(0o777)
+    with pytest.raises(PermissionError, match=r"is writable by its group or by every user "
+                                              r"\(mode 0777; fix with chmod go-w\)"):
+        launch.own_folder(str(folder))
+    crowded = tmp_path / "crowded"
+    crowded.mkdir()
+    crowded.chmod(0o777)  # no sticky bit: anyone could rename a folder made in there
+    with pytest.raises(PermissionError, match=r"parent folder .* writable by every user"):
+        launch.own_folder(str(crowded / "work"))
+
+
+@requires_mpirun
+def test_a_work_folder_is_made_private_and_its_files_too(tmp_path, monkeypatch):
+    for name, value in job_env(PYTHONPATH=SCRIPTS + os.pathsep +
+                               job_env()["PYTHONPATH"]).items():
+        monkeypatch.setenv(name, value)
+    sys.path.insert(0, SCRIPTS)
+    import run_fns
+    work = tmp_path / "new" / "work"
+    for offset in (5, 6):  # a second call replaces the first one's files
+        every = mgpu_launch.run(run_fns.rank_and_size, args=(offset,), np=2, all_ranks=True,
+                                work_dir=str(work), env={"MGPU_ENGINE": "none"})
+        assert [r["value"] for r in every] == [offset, offset + 1]
+    assert stat.S_IMODE(work.stat().st_mode) == 0o700
+    files = sorted(os.listdir(work))
+    assert files == ["payload.pkl", "result.0.pkl", "result.1.pkl"], files
+    assert {stat.S_IMODE((work / name).stat().st_mode) for name in files} == {0o600}
+
+
+def test_a_payload_without_the_calls_hmac_is_never_unpickled(tmp_path, monkeypatch):
+    marker = tmp_path / "ran"
+    planted = pickle.dumps((_Planted(str(marker)), (), {}))
+    (tmp_path / launch.PAYLOAD).write_bytes(_auth.sign(_auth.new_key(), "payload", planted))
+    monkeypatch.setenv(launch.KEY_VARIABLE, _auth.new_key().hex())
+    with pytest.raises(RuntimeError, match="payload does not carry this call's signature.*"
+                                           "not unpickled"):
+        launch.run_rank(str(tmp_path))
+    monkeypatch.delenv(launch.KEY_VARIABLE, raising=False)
+    with pytest.raises(RuntimeError, match="MGPU_RUN_KEY is not set"):
+        launch.run_rank(str(tmp_path))
+    assert not marker.exists()
