@@ -139,3 +139,65 @@ def test_one_process_interrupted_mid_epoch_then_resumed_equals_uninterrupted(tmp
     assert int(keras.ops.convert_to_numpy(resumed.optimizer.iterations)) == 24
     for a, b in zip(resumed.get_weights(), expected, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _tiny_fit(callbacks):
+    import keras
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    x, y = np.ones((16, 3), "float32"), np.zeros((16, 2), "float32")
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+
+
+def test_a_backup_folder_rank_0_cannot_write_fails_before_the_first_step(tmp_path):
+    import keras
+
+    import mgpu_launch as mgpu
+
+    class Steps(keras.callbacks.Callback):
+        taken = 0
+
+        def on_train_batch_begin(self, batch, logs=None):
+            Steps.taken += 1
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for folder, why in ((blocker, "it exists and is not a folder"),
+                        (blocker / "backup", "NotADirectoryError: Not a directory")):
+        backup = mgpu.callbacks.BackupAndRestore(str(folder), save_freq=1000)
+        with pytest.raises(OSError, match=f"BackupAndRestore: rank 0 cannot keep backups in "
+                                          f"'{folder}': {why}. Expected a folder"):
+            _tiny_fit([backup, Steps()])
+    assert Steps.taken == 0
+
+
+def test_an_epoch_backup_leaves_keras_batch_end_dispatch_alone(tmp_path):
+    import threading
+
+    import keras
+
+    import mgpu_launch as mgpu
+
+    class Where(keras.callbacks.Callback):
+        async_safe = True  # Keras may run it on its callback thread
+
+        def __init__(self):
+            super().__init__()
+            self.on_main_thread = set()
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.on_main_thread.add(threading.current_thread() is threading.main_thread())
+
+    default = keras.callbacks.Callback.on_train_batch_end
+    per_epoch = mgpu.callbacks.BackupAndRestore(str(tmp_path / "epoch"))
+    per_steps = mgpu.callbacks.BackupAndRestore(str(tmp_path / "steps"), save_freq=2)
+    # Keras dispatches batch ends asynchronously (JAX, torch) only while no callback
+    # overrides on_train_batch_end.
+    assert per_epoch.on_train_batch_end.__func__ is default
+    assert per_steps.on_train_batch_end.__func__ is not default
+    asynchronous = keras.backend.backend() in ("jax", "torch")
+    for backup, main_thread in ((per_epoch, not asynchronous), (per_steps, True)):
+        where = Where()
+        _tiny_fit([backup, where])
+        assert where.on_main_thread == {main_thread}, backup.save_freq

@@ -5,6 +5,7 @@ import glob
 import os
 import re
 import shutil
+import tempfile
 import warnings
 from typing import List, Tuple, Union
 
@@ -48,6 +49,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     Args:
         backup_dir: a folder for the backups (created by rank 0); use it for nothing else.
+            ``fit`` fails at its start, before any step, when rank 0 cannot write there.
         save_freq: ``"epoch"``, or a number of batches: back up every that many batches and
             at the end of every epoch.
         keep: how many backups to keep (newest first); 2 or more leaves an older one to fall
@@ -76,6 +78,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.delete_checkpoint = delete_checkpoint
         self._epoch = self._done_in_epoch = self._resumed_batches = 0
         self._batches_since_save = 0
+        if save_freq != "epoch":
+            # Only then: Keras runs every batch-end callback synchronously (no async dispatch
+            # on JAX / torch) as soon as one callback overrides on_train_batch_end.
+            self.on_train_batch_end = self._back_up_every_save_freq_batches
 
     def _backups(self) -> List[Tuple[Tuple[int, int], str]]:
         """((epochs done, batches done), path) of every complete backup, newest first."""
@@ -103,7 +109,28 @@ class BackupAndRestore(keras.callbacks.Callback):
                               f"older backup", stacklevel=2)
         return None
 
+    def _check_folder(self) -> None:
+        """Fail before the first step, not at the first save, when rank 0 cannot back up."""
+        problem = None
+        if _is_chief():
+            try:
+                os.makedirs(self.backup_dir, exist_ok=True)
+                with tempfile.NamedTemporaryFile(dir=self.backup_dir, prefix=".write-check-"):
+                    pass
+            except FileExistsError:
+                problem = "it exists and is not a folder"
+            except OSError as error:
+                problem = f"{type(error).__name__}: {error.strerror or error}"
+        if runtime.is_multi_process():
+            problem = collectives.broadcast_object(problem)
+        if problem is not None:
+            raise OSError(f"BackupAndRestore: rank 0 cannot keep backups in "
+                          f"{self.backup_dir!r}: {problem}. Expected a folder rank 0 can "
+                          f"create and write in; give another backup_dir or fix its "
+                          f"permissions.")
+
     def on_train_begin(self, logs=None):
+        self._check_folder()
         model = self.model
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)  # the slots the backup fills
@@ -127,9 +154,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._epoch = epoch
         self._done_in_epoch, self._resumed_batches = self._resumed_batches, 0
 
-    def on_train_batch_end(self, batch, logs=None):
-        if self.save_freq == "epoch":
-            return
+    def _back_up_every_save_freq_batches(self, batch, logs=None):
         done = batch + 1  # `batch` is an execution's last step (steps_per_execution > 1)
         self._batches_since_save += done - self._done_in_epoch
         self._done_in_epoch = done
