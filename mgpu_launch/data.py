@@ -65,9 +65,13 @@ class ShardedArrays(keras.utils.PyDataset):
         self.rank, self.size = _placement()
         self.batches = _agree(self.samples // (self.size * batch_size), "these arrays")
         if self.batches == 0:
+            fix = (f"use batch_size={self.samples // self.size} or less" if
+                   self.samples >= self.size else
+                   "there are fewer samples than ranks, so no batch_size can help: use more "
+                   "samples, or fewer processes (-np)")
             raise ValueError(
                 f"mgpu.data.shard: {self.samples} samples cannot give each of {self.size} "
-                f"ranks one batch of {batch_size}; use a smaller batch_size")
+                f"ranks one batch of {batch_size}; {fix}")
         self.epoch = 0
         self._indices = self._epoch_indices()
 

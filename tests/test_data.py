@@ -54,3 +54,19 @@ def test_pydataset_batches_are_split_whole(seen):
 
 def test_fit_on_sharded_arrays_runs_on_every_rank(seen):
     assert [rank["fit_epochs"] for rank in seen] == [2, 2]
+
+
+def test_too_few_samples_for_the_ranks_says_what_can_help(monkeypatch):
+    import numpy as np
+
+    from mgpu_launch import data
+
+    monkeypatch.setattr(data, "_placement", lambda: (0, 4))  # rank 0 of 4, without MPI
+    with pytest.raises(ValueError, match=r"3 samples cannot give each of 4 ranks one batch of "
+                                         r"1; there are fewer samples than ranks, so no "
+                                         r"batch_size can help: use more samples, or fewer "
+                                         r"processes \(-np\)"):
+        data.shard(np.zeros((3, 2)), batch_size=1)
+    with pytest.raises(ValueError, match=r"10 samples cannot give each of 4 ranks one batch of "
+                                         r"4; use batch_size=2 or less"):
+        data.shard(np.zeros((10, 2)), batch_size=4)
