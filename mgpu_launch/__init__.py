@@ -17,6 +17,22 @@ from mgpu_launch.runtime import (NotInitializedError, cross_rank, cross_size, in
 
 # Importing the engine package (no framework yet) adds its set-up to init() and shutdown().
 from mgpu_launch import engines as _engines  # noqa: E402,F401  isort: skip
+from mgpu_launch import runtime as _runtime  # noqa: E402  isort: skip
+
+
+def _synchronize_batch_norm(state) -> None:
+    """init() hook, after the engine's: BatchNormalization(synchronized=True) synchronizes
+    (mgpu_launch.layers). On one process only if Keras is loaded already: importing it here
+    would slow down every script that uses only the host collectives."""
+    import os
+    import sys
+    if os.environ.get("MGPU_ENGINE", "keras") != "none" and (
+            state.size > 1 or "keras" in sys.modules):
+        from mgpu_launch import keras_patches
+        keras_patches.install_synchronized_batch_norm()
+
+
+_runtime.add_hooks(start=_synchronize_batch_norm, stop=lambda: None)
 
 # The Keras-facing parts import keras (and with it the backend); load them on first use so
 # that `import mgpu_launch` and the host collectives stay light.
@@ -24,6 +40,7 @@ _LAZY = {
     "DistributedOptimizer": "mgpu_launch.optimizer", "scale_lr": "mgpu_launch.optimizer",
     "load_model": "mgpu_launch.optimizer", "Compression": "mgpu_launch.compression",
     "callbacks": "mgpu_launch.callbacks", "data": "mgpu_launch.data",
+    "layers": "mgpu_launch.layers",
     "run": "mgpu_launch.launch", "RemoteError": "mgpu_launch.launch",
 }
 
@@ -32,7 +49,7 @@ def __getattr__(name):
     if name in _LAZY:
         import importlib
         module = importlib.import_module(_LAZY[name])
-        return module if name in ("callbacks", "data") else getattr(module, name)
+        return module if name in ("callbacks", "data", "layers") else getattr(module, name)
     raise AttributeError(f"module 'mgpu_launch' has no attribute {name!r}")
 
 
@@ -41,5 +58,6 @@ __all__ = [
     "local_size", "cross_rank", "cross_size", "is_chief", "allreduce", "allgather",
     "allgather_object", "broadcast", "broadcast_object", "barrier", "ReduceOp", "Average",
     "Sum", "Min", "Max", "MismatchError", "NotInitializedError", "DistributedOptimizer",
-    "scale_lr", "load_model", "Compression", "callbacks", "data", "run", "RemoteError",
+    "scale_lr", "load_model", "Compression", "callbacks", "data", "layers", "run",
+    "RemoteError",
 ]

@@ -35,6 +35,7 @@ from mgpu_launch import collectives, keras_patches, optimizer as _optimizer, run
 from mgpu_launch import callbacks as _callbacks, launch as _launch
 from mgpu_launch.collectives import Average, Sum
 from mgpu_launch.compression import Compression
+from mgpu_launch.layers import SyncBatchNormalization
 from mgpu_launch.runtime import (cross_rank, cross_size, is_initialized, local_rank, local_size,
                                  rank, shutdown, size)
 
@@ -333,5 +334,5 @@ __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
     "cross_rank", "cross_size", "allreduce", "allgather", "broadcast", "broadcast_object",
     "DistributedOptimizer", "load_model", "Compression", "Average", "Sum", "Adasum",
-    "global_process_set", "callbacks", "run",
+    "global_process_set", "callbacks", "run", "SyncBatchNormalization",
 ]

@@ -44,7 +44,17 @@ Keras attribute                            backend   why
                                                      after a restore: start the data at the
                                                      backed-up epoch and batch (:func:`resume_at`,
                                                      ``mgpu_launch.epoch_resume``)
+``BatchNormalization.__init__``            all       ``synchronized=True`` accepted on JAX and
+                                                     torch (Keras raises: TensorFlow only)
+``BatchNormalization._moments``            all       ``synchronized=True``, multi-process: the
+                                                     statistics of every rank's batch
+                                                     (``mgpu_launch.layers``), not the local
+                                                     ones Keras-TF silently falls back to
 =========================================  ========  ===========================================
+
+The two BatchNormalization patches act on layers built with ``synchronized=True``, whatever the
+optimizer; :func:`install_synchronized_batch_norm` applies them (at ``mgpu.init()`` of a
+multi-process job, by ``mgpu_launch.layers``, and by every ``DistributedOptimizer``).
 
 Entry points: :func:`install` (called by every ``DistributedOptimizer``) and
 :func:`install_horovod_compile` (called by ``mgpu_launch.keras.init``). Both are idempotent.
@@ -121,6 +131,7 @@ class Patch:
                 f"(pip install 'keras>=3.15,<3.17'), or report the Keras version.")
 
 
+_BATCH_NORM = "keras.src.layers.normalization.batch_normalization:BatchNormalization"
 #: name -> Patch; the factories below build each replacement from the original.
 PATCHES = {
     "fit": Patch("keras.src.models.model:Model", "fit",
@@ -149,6 +160,8 @@ PATCHES = {
                             ("self",)),
     "tf_auto_jit": Patch("keras.src.trainers.trainer:Trainer", "_resolve_auto_jit_compile",
                          ("self",)),
+    "batch_norm_init": Patch(_BATCH_NORM, "__init__", ("self", "axis", "momentum")),
+    "batch_norm_moments": Patch(_BATCH_NORM, "_moments", ("self", "inputs", "mask")),
 }
 
 #: backend -> the patches :func:`install` applies there, in order.
@@ -214,6 +227,7 @@ def install(distributed_class: type, backend: Optional[str] = None) -> None:
         backend = keras.backend.backend()
     for name in BY_BACKEND.get(backend, ("fit", "compile_config")):
         apply(name)
+    install_synchronized_batch_norm()
 
 
 def resume_at(epochs_done: int, batches_done: int) -> None:
@@ -233,6 +247,12 @@ def resume_at(epochs_done: int, batches_done: int) -> None:
     _resume = (int(epochs_done), int(batches_done)) if (epochs_done or batches_done) else None
     if _resume is not None:
         apply("resume_iterator")
+
+
+def install_synchronized_batch_norm() -> None:
+    """Make ``BatchNormalization(synchronized=True)`` synchronize under mgpu, on every backend."""
+    for name in ("batch_norm_init", "batch_norm_moments"):
+        apply(name)
 
 
 def install_horovod_compile() -> None:
@@ -418,11 +438,49 @@ def _resume_iterator(original):
     return _enumerate_iterator
 
 
+def _batch_norm_init(original):
+    signature = inspect.signature(original)
+    if "synchronized" not in signature.parameters:
+        raise KerasInternalsError(Patch(_BATCH_NORM, "__init__", ())._message(
+            importlib.import_module("keras"), "BatchNormalization.__init__",
+            "it has no `synchronized` parameter"))
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        synchronized = bound.arguments.pop("synchronized", False)
+        original(*bound.args, **bound.kwargs)  # Keras raises for it off TensorFlow
+        self.synchronized = synchronized
+    # Keras's Operation.__new__ reads the signature without following __wrapped__.
+    __init__.__signature__ = signature
+    return __init__
+
+
+def _batch_norm_moments(original):
+    def _moments(self, inputs, mask):
+        if not self.synchronized:
+            return original(self, inputs, mask)
+        from mgpu_launch import batch_statistics
+        moments = batch_statistics.synchronized_moments(inputs, self._reduction_axes, mask)
+        if moments is not None:
+            return moments
+        import keras
+        if keras.backend.backend() == "tensorflow":
+            return original(self, inputs, mask)  # Keras's: a tf.distribute strategy's, or local
+        self.synchronized = False  # Keras's local statistics (its own raise off TensorFlow)
+        try:
+            return original(self, inputs, mask)
+        finally:
+            self.synchronized = True
+    return _moments
+
+
 _FACTORIES = {
     "fit": _fit, "jax_iterator": _epoch_iterator, "torch_iterator": _epoch_iterator,
     "jax_train_function": _jax_train_function, "jax_state_sync": _jax_state_sync,
     "torch_ddp": _torch_ddp, "torch_train_function": _torch_train_function,
     "torch_sgd_update": _torch_sgd_update, "torch_scalars": _torch_scalars,
     "compile": _compile, "resume_iterator": _resume_iterator, "compile_config": _compile_config,
-    "tf_auto_jit": _tf_auto_jit,
+    "tf_auto_jit": _tf_auto_jit, "batch_norm_init": _batch_norm_init,
+    "batch_norm_moments": _batch_norm_moments,
 }

@@ -27,7 +27,9 @@ LAYERS = [
     ("Keras glue", ["mgpu_launch.fit_guard", "mgpu_launch.stall_probes",
                     "mgpu_launch.epoch_resume", "mgpu_launch.keras_patches",
                     "mgpu_launch.optimizer",
-                    "mgpu_launch.callbacks", "mgpu_launch.data", "mgpu_launch.keras"]),
+                    "mgpu_launch.callbacks", "mgpu_launch.data",
+                    "mgpu_launch.batch_statistics", "mgpu_launch.layers",
+                    "mgpu_launch.keras"]),
     ("tools and public API", ["mgpu_launch.bench", "mgpu_launch"]),
 ]
 

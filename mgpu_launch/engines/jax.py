@@ -162,6 +162,31 @@ class JaxEngine(Engine):
             result.append(total * jnp.asarray(scale, total.dtype) if scale != 1.0 else total)
         return result
 
+    def reduces_in_step(self) -> bool:
+        return self._in_step
+
+    def sum_in_step(self, tensors: Sequence[Any]) -> List[Any]:
+        """``psum`` over the step's axis; JAX differentiates it (inside shard_map without
+        replication checks, its transpose is a psum of the incoming gradients)."""
+        import jax
+        self._require_step("a synchronized BatchNormalization's statistics")
+        return list(jax.lax.psum(list(tensors), AXIS))
+
+    def gather_in_step(self, tensor):
+        """``all_gather`` over the step's axis (differentiable: its transpose is a
+        ``psum_scatter``): no rank constant in the program, which every process must trace
+        alike."""
+        import jax
+        self._require_step("a synchronized BatchNormalization's statistics")
+        return jax.lax.all_gather(tensor, AXIS)
+
+    def _require_step(self, what: str) -> None:
+        if not self._in_step:
+            raise RuntimeError(
+                f"on JAX, {what} can be reduced across processes only inside model.fit / "
+                f"train_on_batch of a model compiled with mgpu.DistributedOptimizer (the train "
+                f"step mgpu_launch builds).")
+
     def _fused_psum(self, tensors):
         """psum of flat buffers of up to ``fusion_bytes`` each (Horovod's tensor fusion).
 

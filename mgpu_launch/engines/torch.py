@@ -131,6 +131,22 @@ class TorchEngine(Engine):
                 result[i] = value
         return result
 
+    def reduces_in_step(self) -> bool:
+        return self.initialized
+
+    def sum_in_step(self, tensors: Sequence[Any]) -> List[Any]:
+        """One fused, autograd-aware allreduce (its backward sums the incoming gradients the
+        same way). Tensors on the meta device (Keras's shape inference) pass unchanged."""
+        import torch
+
+        tensors = list(tensors)
+        if any(t.device.type == "meta" for t in tensors):
+            return tensors
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        total = _sum_across_ranks().apply(flat)
+        return [piece.view_as(t) for piece, t in
+                zip(torch.split(total, [t.numel() for t in tensors]), tensors)]
+
     def watch(self, variables, *, average: bool, prescale: float, postscale: float,
               compression) -> None:
         """Reduce `variables`' gradients bucket by bucket while backward runs (see module doc).
@@ -151,6 +167,33 @@ class TorchEngine(Engine):
         if watched is not None and watched.covers(variables):
             return watched.finish(grads)
         return super().reduce_gradients(grads, variables, **options)
+
+
+_SUM_FUNCTION = []
+
+
+def _sum_across_ranks():
+    """A ``torch.autograd.Function``: sum across ranks forward, and backward (made once)."""
+    if _SUM_FUNCTION:
+        return _SUM_FUNCTION[0]
+    import torch
+    import torch.distributed as dist
+
+    class SumAcrossRanks(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, flat):
+            total = flat.detach().clone()
+            dist.all_reduce(total)
+            return total
+
+        @staticmethod
+        def backward(ctx, gradient):
+            total = gradient.detach().clone()
+            dist.all_reduce(total)
+            return total
+
+    _SUM_FUNCTION.append(SumAcrossRanks)
+    return SumAcrossRanks
 
 
 class Reduction:
