@@ -30,6 +30,10 @@ FORWARDED_VARIABLES = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "KERAS_BACKEND",
                        "VIRTUAL_ENV")
 FORWARDED_PREFIXES = ("MGPU_", "NCCL_", "XLA_", "TF_", "JAX_", "CUDA_", "OMP_")
 
+#: the Keras backends mgpu_launch has an engine for (mgpu_launch.engines.ENGINES; this package
+#: imports nothing of the library, tests/test_cli.py checks that the two lists agree)
+KERAS_BACKENDS = ("tensorflow", "jax", "torch")
+
 _HOST_ENTRY = re.compile(r"^[A-Za-z0-9_.\-]+(:\d+)?$")
 _HOSTFILE_LINE = re.compile(r"^\S+(\s+(slots|max_slots|max-slots)\s*=\s*\d+)*\s*$")
 
@@ -190,6 +194,31 @@ def _check_hostfile(path: str) -> None:
                          f"'node1 slots=4'")
 
 
+def _check_script(target: str) -> None:
+    """A script path python could run: a file, or a folder with __main__.py (as python)."""
+    if os.path.isdir(target):
+        if not os.path.isfile(os.path.join(target, "__main__.py")):
+            raise UsageError(f"can't run {target!r}: it is a directory (without __main__.py); "
+                             f"expected a Python script, e.g. {PROG} -np 2 train.py, or "
+                             f"-m module")
+    elif not os.path.isfile(target):
+        raise UsageError(f"can't open file {target!r}: no such file")
+
+
+def _check_keras_backend(forward: Sequence[str]) -> None:
+    """KERAS_BACKEND (set here, or by -x KERAS_BACKEND=...) names a backend mgpu-launch runs."""
+    value = os.environ.get("KERAS_BACKEND")
+    for item in forward:
+        name, has_value, given = item.partition("=")
+        if name == "KERAS_BACKEND" and has_value:
+            value = given
+    if value is not None and value not in KERAS_BACKENDS and \
+            os.environ.get("MGPU_ENGINE", "").strip().lower() != "none":
+        raise UsageError(f"KERAS_BACKEND={value!r} is not a backend mgpu-launch runs; expected "
+                         f"one of {', '.join(KERAS_BACKENDS)}, e.g. KERAS_BACKEND=jax (unset, "
+                         f"Keras uses tensorflow)")
+
+
 def parse_args(argv: Sequence[str]) -> Config:
     """Parse and validate a command line (without the program name).
 
@@ -218,12 +247,13 @@ def parse_args(argv: Sequence[str]) -> Config:
     if kind is None and not options.env_report:
         raise UsageError("no program to run: give a script, -m module or -c code, "
                          f"e.g. {PROG} -np 2 train.py")
-    if kind == "script" and not os.path.isfile(target):
-        raise UsageError(f"can't open file {target!r}: no such file")
+    if kind == "script":
+        _check_script(target)
     for item in options.forward:
         if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*(=.*)?$", item):
             raise UsageError(f"-x {item!r}: expected an environment variable NAME or "
                              f"NAME=VALUE, e.g. -x NCCL_DEBUG=INFO")
+    _check_keras_backend(options.forward)
     return Config(kind=kind, target=target, args=tuple(args), np=np, hosts=options.hosts,
                   hostfile=options.hostfile, mpirun=options.mpirun,
                   mpirun_args=tuple(shlex.split(options.mpirun_args)),

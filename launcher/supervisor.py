@@ -31,6 +31,22 @@ from mgpu_launcher.worker import FAILURE_MARKER, PROGRESS_MARKER, STALL_MARKER
 TAIL_LINES = 20
 GRACE_SECONDS = 5.0
 _SIGNAL_DEATH = re.compile(r"rank (\d+) with PID \d+ on node \S+ exited on\s+signal (\d+)")
+# Start-up notices every framework prints, which say nothing about a failure: kept out of the
+# failure summary's "last lines" (glog INFO lines, absl's and TF's CPU notices).
+_START_UP_NOISE = re.compile(
+    r"^I\d{4} [\d:.]+\s+\d+ \S+\] |"
+    r"^WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR|"
+    r"^To enable the following instructions: .* rebuild TensorFlow with the appropriate "
+    r"compiler flags")
+# mpirun's own refusals to start a job (no rank ran): (its words, the root cause to print).
+_MPIRUN_REFUSALS = [
+    (re.compile(r"There are not enough slots available in the system to satisfy the (\d+)\s+"
+                r"slots"),
+     "mpirun did not start the job: the hosts offer fewer slots than the {0} processes asked "
+     "for (-H host:N gives a host N slots, a hostfile 'slots=N'; a host without :N has 1). "
+     "Fix: give the hosts more slots, start fewer processes (-np), or allow more processes "
+     "than slots with --mpirun-args='--oversubscribe'."),
+]
 
 
 @dataclasses.dataclass
@@ -96,7 +112,8 @@ class OutputRelay:
                 if marked.startswith(PROGRESS_MARKER):
                     self.progressed = True
                     return  # for the supervisor only
-                self.tails[rank].append(marked)
+                if not _START_UP_NOISE.match(marked):
+                    self.tails[rank].append(marked)
                 if self.first_failure is None:
                     self.first_failure = _failure_in(rank, marked)
             if stream == "stderr" and self.merger is not None:
@@ -150,6 +167,12 @@ class OutputRelay:
         what = f"attempt {attempt[0]} of {attempt[1]}" if attempt else "the job"
         lines = [f"mgpu-train: {what} failed (exit status {status})."]
         if cause is None:
+            said = " ".join(self.mpirun_lines)
+            for pattern, text in _MPIRUN_REFUSALS:
+                match = pattern.search(said)
+                if match:
+                    lines.append(f"  root cause: {text.format(*match.groups())}")
+                    return "\n".join(lines)
             lines.append("  root cause: unknown — no rank reported a failure; see mpirun's "
                          "messages above.")
             return "\n".join(lines)

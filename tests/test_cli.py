@@ -153,3 +153,29 @@ def test_version_and_env(capsys):
     report = capsys.readouterr().out
     assert "mpi4py" in report and "environment" in report and "GPUs" in report
     assert sys.version.split()[0] in report
+
+
+def test_a_directory_is_not_a_script(tmp_path, capsys):
+    assert cli.main(["-np", "2", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"can't run '{tmp_path}': it is a directory (without __main__.py); expected a " \
+           f"Python script" in err and "no such file" not in err
+    (tmp_path / "__main__.py").write_text("print('hi')\n")  # runnable, as with python
+    assert cli.parse_args(["-np", "2", str(tmp_path)]).target == str(tmp_path)
+
+
+@pytest.mark.parametrize("env, argv", [({"KERAS_BACKEND": "nonsense"}, []),
+                                       ({}, ["-x", "KERAS_BACKEND=nonsense"])])
+def test_an_unknown_keras_backend_lists_the_ones_that_work(env, argv, monkeypatch, script,
+                                                           capsys):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert cli.main(["-np", "2", *argv, script]) == 2
+    err = capsys.readouterr().err
+    assert ("mgpu-train: error: KERAS_BACKEND='nonsense' is not a backend mgpu-launch runs; "
+            "expected one of tensorflow, jax, torch") in err
+
+
+def test_the_launchers_backend_list_is_the_engines():
+    from mgpu_launch.engines import ENGINES
+    assert sorted(cli.KERAS_BACKENDS) == sorted(ENGINES)

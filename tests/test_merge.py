@@ -115,6 +115,26 @@ def test_a_failure_marker_behind_stray_bytes_is_still_the_root_cause():
     assert "rank 1 failed first: RuntimeError: boom" in relay.summary(1)
 
 
+def test_a_killed_ranks_last_lines_leave_out_start_up_notices():
+    out, err = io.StringIO(), io.StringIO()
+    relay = supervisor.OutputRelay(mpirun.OPENMPI, False, None, out, err, size=2)
+    for text in ("WARNING: All log messages before absl::InitializeLog() is called are written "
+                 "to STDERR",
+                 "I0000 00:00:1795550327.021461   24552 port.cc:153] oneDNN custom operations "
+                 "are on.",
+                 "To enable the following instructions: AVX2 FMA, in other operations, rebuild "
+                 "TensorFlow with the appropriate compiler flags.",
+                 "loading shard 3", "W0000 00:00:1.0 1 op.cc:1] a warning stays"):
+        relay.line(f"[1,1]<stderr>: {text}", "stderr")
+    relay.line("Primary job  terminated normally, but 1 process returned", "stderr")
+    relay.line("rank 1 with PID 4242 on node vm exited on signal 9 (Killed).", "stderr")
+    relay.flush()
+    summary = relay.summary(137)
+    assert "rank 1 failed first: killed by signal 9 (SIGKILL)" in summary
+    assert summary.endswith("last lines of rank 1's stderr:\n    loading shard 3\n"
+                            "    W0000 00:00:1.0 1 op.cc:1] a warning stays"), summary
+
+
 @requires_mpirun
 def test_four_ranks_of_the_digits_example_print_tensorflows_start_up_lines_once(tmp_path):
     pytest.importorskip("tensorflow")
