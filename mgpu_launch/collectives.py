@@ -21,9 +21,11 @@ class ReduceOp(enum.Enum):
     SUM = "sum"
     MIN = "min"
     MAX = "max"
+    PRODUCT = "product"
 
 
 Average, Sum, Min, Max = ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX
+Product = ReduceOp.PRODUCT
 
 
 class MismatchError(ValueError):
@@ -73,7 +75,8 @@ def allreduce(value: Any, op: ReduceOp = Average) -> Any:
 
     Args:
         value: a Python number or numeric numpy array, same shape and dtype on every rank.
-        op: ``Average`` (default; the result is floating point), ``Sum``, ``Min`` or ``Max``.
+        op: ``Average`` (default; the result is floating point), ``Sum``, ``Min``, ``Max``
+            or ``Product``.
 
     Returns:
         The combined value, of the same kind as `value` (Python number / numpy array).
@@ -85,7 +88,8 @@ def allreduce(value: Any, op: ReduceOp = Average) -> Any:
         >>> mgpu.allreduce(float(loss))           # mean loss over the ranks
     """
     if not isinstance(op, ReduceOp):
-        raise ValueError(f"op={op!r}: expected one of mgpu.Average, mgpu.Sum, mgpu.Min, mgpu.Max")
+        raise ValueError(f"op={op!r}: expected one of mgpu.Average, mgpu.Sum, mgpu.Min, "
+                         f"mgpu.Max, mgpu.Product")
     state.require()
     array, restore = _as_array(value, "allreduce")
     if state.comm is None:
@@ -94,7 +98,8 @@ def allreduce(value: Any, op: ReduceOp = Average) -> Any:
         _check_agreement("allreduce", (("dtype", array.dtype.str), ("shape", array.shape),
                                        ("op", op.value)))
         from mpi4py import MPI
-        mpi_op = {ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX}.get(op, MPI.SUM)
+        mpi_op = {ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
+                  ReduceOp.PRODUCT: MPI.PROD}.get(op, MPI.SUM)
         result = np.empty_like(array)
         state.comm.Allreduce(array, result, op=mpi_op)
     if op is Average:

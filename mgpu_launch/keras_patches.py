@@ -40,6 +40,9 @@ Keras attribute                            backend   why
                                                      (CPU, ``MGPU_TF_COLLECTIVE=ring``)
 ``Trainer.compile``                        all       ``mgpu_launch.keras`` (Horovod names) only:
                                                      drop Keras 2's experimental_run_tf_function
+``BaseOptimizer.variables`` (a property)   all       Horovod namespaces only: also callable, as
+                                                     Keras 2's ``opt.variables()`` (Horovod's
+                                                     TF2 examples call it)
 ``EpochIterator._enumerate_iterator``      all       ``callbacks.BackupAndRestore`` only, once,
                                                      after a restore: start the data at the
                                                      backed-up epoch and batch (:func:`resume_at`,
@@ -118,6 +121,7 @@ class Patch:
                 return None
             raise KerasInternalsError(self._message(keras, where, "it does not exist"))
         target = getattr(original, "__wrapped__", original) if _ours(original) else original
+        target = target.fget if isinstance(target, property) else target
         found = tuple(inspect.signature(target).parameters)
         if found[:len(self.parameters)] != self.parameters:
             raise KerasInternalsError(self._message(
@@ -154,6 +158,8 @@ PATCHES = {
     "torch_scalars": Patch("keras.src.backend.torch:core", "convert_to_tensor",
                            ("x", "dtype"), everywhere=True),
     "compile": Patch("keras.src.trainers.trainer:Trainer", "compile", ("self", "optimizer")),
+    "optimizer_variables": Patch("keras.src.optimizers.base_optimizer:BaseOptimizer",
+                                 "variables", ("self",)),
     "resume_iterator": Patch("keras.src.trainers.epoch_iterator:EpochIterator",
                              "_enumerate_iterator", ("self",)),
     "compile_config": Patch("keras.src.trainers.trainer:Trainer", "get_compile_config",
@@ -258,6 +264,12 @@ def install_synchronized_batch_norm() -> None:
 def install_horovod_compile() -> None:
     """Let ``compile`` accept Keras 2's ``experimental_run_tf_function`` (mgpu_launch.keras)."""
     apply("compile")
+
+
+def install_callable_optimizer_variables() -> None:
+    """Let ``opt.variables()`` (Keras 2's method) work beside ``opt.variables`` (Keras 3's
+    property): the Horovod namespaces' ``init()``, for Horovod's TF2 scripts."""
+    apply("optimizer_variables")
 
 
 # -- the replacements ----------------------------------------------------------------------------
@@ -475,6 +487,22 @@ def _batch_norm_moments(original):
     return _moments
 
 
+class _CallableList(list):
+    """A list that is also callable, returning itself (Keras 2's ``optimizer.variables()``)."""
+
+    def __call__(self):
+        return self
+
+
+class _VariablesProperty(property):
+    """A property that can carry the ``_mgpu`` / ``__wrapped__`` marks :func:`apply` sets."""
+
+
+def _optimizer_variables(original):
+    return _VariablesProperty(lambda self: _CallableList(original.fget(self)),
+                              doc=original.__doc__)
+
+
 _FACTORIES = {
     "fit": _fit, "jax_iterator": _epoch_iterator, "torch_iterator": _epoch_iterator,
     "jax_train_function": _jax_train_function, "jax_state_sync": _jax_state_sync,
@@ -482,5 +510,5 @@ _FACTORIES = {
     "torch_sgd_update": _torch_sgd_update, "torch_scalars": _torch_scalars,
     "compile": _compile, "resume_iterator": _resume_iterator, "compile_config": _compile_config,
     "tf_auto_jit": _tf_auto_jit, "batch_norm_init": _batch_norm_init,
-    "batch_norm_moments": _batch_norm_moments,
+    "batch_norm_moments": _batch_norm_moments, "optimizer_variables": _optimizer_variables,
 }

@@ -29,6 +29,8 @@ LAYERS = [
                     "mgpu_launch.optimizer",
                     "mgpu_launch.callbacks", "mgpu_launch.data",
                     "mgpu_launch.batch_statistics", "mgpu_launch.layers",
+                    "mgpu_launch._horovod", "mgpu_launch.tensorflow_ops",
+                    "mgpu_launch.tensorflow_tape", "mgpu_launch.tensorflow",
                     "mgpu_launch.keras"]),
     ("tools and public API", ["mgpu_launch.bench", "mgpu_launch"]),
 ]

@@ -152,6 +152,15 @@ class Engine:
         """A sparse gradient (e.g. TF IndexedSlices) as a dense tensor; others unchanged."""
         return gradient
 
+    def build_info(self) -> dict:
+        """What this build of the backend can use: {"cuda", "rocm", "nccl"} -> bool (Horovod's
+        ``*_built()`` queries). The default claims none of them."""
+        return {"cuda": False, "rocm": False, "nccl": False}
+
+    def is_sparse(self, value) -> bool:
+        """Whether `value` is a sparse gradient of this backend (TensorFlow's IndexedSlices)."""
+        return False
+
     def tracing(self) -> bool:
         """Whether the backend is tracing a compiled function now (tensors without values):
         Horovod's value collectives then go through the engine (TensorFlow) or are refused."""

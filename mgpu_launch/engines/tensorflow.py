@@ -234,6 +234,16 @@ class TensorFlowEngine(Engine):
         return result
 
     # -- collectives on tensors other than the gradient sum (engines/tensorflow_collectives) --
+    def build_info(self) -> dict:
+        import tensorflow as tf
+        cuda = tf.test.is_built_with_cuda()
+        return {"cuda": cuda, "rocm": tf.test.is_built_with_rocm(),
+                "nccl": cuda and self.transport == "collective" and self.implementation != "ring"}
+
+    def is_sparse(self, value) -> bool:
+        import tensorflow as tf
+        return isinstance(value, tf.IndexedSlices)
+
     def tracing(self) -> bool:
         import tensorflow as tf
         return not tf.executing_eagerly()
