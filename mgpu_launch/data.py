@@ -9,6 +9,12 @@ forever for the others (and BatchNorm on an empty remainder writes NaN into its 
 ``size x batch_size`` samples per epoch (fewer than ``size`` batches for a PyDataset) — and
 checks over MPI that every rank ends up with the same number of batches.
 
+The epoch's batches are laid out across the ranks, not in blocks: global batch i is the i-th
+``size x batch_size`` samples of the epoch's order, rank r taking the r-th ``batch_size`` of
+them. What the job has trained on is then a prefix of the order whatever the size, so a job
+restarted with another number of processes continues an interrupted epoch at the same sample
+(``BackupAndRestore``; docs/backup_and_resume.md, "Resuming with another number of processes").
+
 Validation data sharded the same way gives, after ``MetricAverageCallback``, the metric over
 the evaluated samples (all but the dropped remainder); for the exact whole-set figure evaluate
 on rank 0 alone.
@@ -48,10 +54,53 @@ def _agree(batches: int, what: str) -> int:
     return batches
 
 
-class ShardedArrays(keras.utils.PyDataset):
-    """Batches of this rank's part of in-memory arrays; reshuffled every epoch, in step."""
+class _Shard(keras.utils.PyDataset):
+    """An epoch's order, read by all ranks in step: global batch i is the `per_step` units
+    from ``start + i * per_step`` (a unit: a sample for arrays, a batch for a PyDataset), of
+    which rank r reads the r-th part. The units done after i batches are therefore a prefix
+    of the order, whatever the size: a job restarted with another size continues at the same
+    global position (:meth:`start_at`, used by ``BackupAndRestore``)."""
 
     keeps_its_order = True  # fit does not reorder it (epoch_resume.keeps_its_order)
+    units = per_step = batches = 0
+    _start = 0  # the unit where batch 0 of this epoch starts; < 0 only in a resumed epoch
+
+    def __len__(self):
+        return self.batches
+
+    def _first_unit(self, index: int) -> int:
+        # Batches before a resumed epoch's first are read and dropped: any valid unit will do.
+        return max(0, self._start + index * self.per_step)
+
+    def position(self, batches_done: int) -> int:
+        """Units of this epoch's order done after `batches_done` of its batches (all ranks)."""
+        return self._start + int(batches_done) * self.per_step
+
+    def start_at(self, position: int) -> int:
+        """Continue this epoch at unit `position` of its order, with this job's size.
+
+        The rest of the epoch is split into whole global batches of this size; what is left
+        over (fewer than ``per_step`` units) is dropped, as every epoch drops its remainder.
+
+        Returns:
+            The batch index the epoch continues at: batches before it are not trained, and
+            ``len(self)`` means nothing of this epoch is left.
+        """
+        left = max(0, self.units - int(position)) // self.per_step
+        skip = self.batches - min(left, self.batches)
+        self._start = int(position) - skip * self.per_step
+        return skip
+
+    def on_epoch_end(self):
+        self._start = 0
+        self.skip_epochs(1)
+
+    def skip_epochs(self, count: int) -> None:  # noqa: D102 - see the subclasses
+        raise NotImplementedError
+
+
+class ShardedArrays(_Shard):
+    """Batches of this rank's part of in-memory arrays; reshuffled every epoch, in step."""
 
     def __init__(self, data, batch_size: int, shuffle: bool, seed: int):
         super().__init__()
@@ -61,9 +110,11 @@ class ShardedArrays(keras.utils.PyDataset):
         if len(lengths) != 1:
             raise ValueError(f"mgpu.data.shard: the arrays have different lengths "
                              f"{sorted(lengths)}; expected one sample axis shared by all")
-        self.samples = lengths.pop()
+        self.samples = self.units = lengths.pop()
+        self.unit = "sample"
         self.rank, self.size = _placement()
-        self.batches = _agree(self.samples // (self.size * batch_size), "these arrays")
+        self.per_step = self.size * batch_size
+        self.batches = _agree(self.samples // self.per_step, "these arrays")
         if self.batches == 0:
             fix = (f"use batch_size={self.samples // self.size} or less" if
                    self.samples >= self.size else
@@ -73,31 +124,25 @@ class ShardedArrays(keras.utils.PyDataset):
                 f"mgpu.data.shard: {self.samples} samples cannot give each of {self.size} "
                 f"ranks one batch of {batch_size}; {fix}")
         self.epoch = 0
-        self._indices = self._epoch_indices()
+        self._order = self._epoch_order()
 
-    def _epoch_indices(self) -> np.ndarray:
-        order = (np.random.default_rng([self.seed, self.epoch]).permutation(self.samples)
-                 if self.shuffle else np.arange(self.samples))
-        per_rank = self.batches * self.batch_size
-        return order[self.rank * per_rank:(self.rank + 1) * per_rank]
-
-    def __len__(self):
-        return self.batches
+    def _epoch_order(self) -> np.ndarray:
+        if self.shuffle:
+            return np.random.default_rng([self.seed, self.epoch]).permutation(self.samples)
+        return np.arange(self.samples)
 
     def __getitem__(self, index):
-        take = self._indices[index * self.batch_size:(index + 1) * self.batch_size]
+        first = self._first_unit(index) + self.rank * self.batch_size
+        take = self._order[first:first + self.batch_size]
         return keras.tree.map_structure(lambda a: np.asarray(a)[take], self.data)
-
-    def on_epoch_end(self):
-        self.skip_epochs(1)
 
     def skip_epochs(self, count: int) -> None:
         """Jump `count` epochs ahead (a resumed job): the order is seeded by the epoch number."""
         self.epoch += count
-        self._indices = self._epoch_indices()
+        self._order = self._epoch_order()
 
 
-class ShardedPyDataset(keras.utils.PyDataset):
+class ShardedPyDataset(_Shard):
     """Every ``size``-th batch of a PyDataset, starting at this rank's index.
 
     Batches are split whole, so a last partial batch reaches one rank only: the ranks then run
@@ -106,26 +151,23 @@ class ShardedPyDataset(keras.utils.PyDataset):
     on JAX give a PyDataset whose batches are all full.
     """
 
-    keeps_its_order = True
-
     def __init__(self, dataset: keras.utils.PyDataset):
         super().__init__()
         self.dataset = dataset
         self.rank, self.size = _placement()
-        length = len(dataset)
-        self.batches = _agree(length // self.size, f"a PyDataset of {length} batches")
+        self.units, self.per_step, self.unit = len(dataset), self.size, "batch"
+        self.batches = _agree(self.units // self.size, f"a PyDataset of {self.units} batches")
         if self.batches == 0:
-            raise ValueError(f"mgpu.data.shard: a PyDataset of {length} batches cannot give "
-                             f"each of {self.size} ranks a batch")
-
-    def __len__(self):
-        return self.batches
+            raise ValueError(f"mgpu.data.shard: a PyDataset of {self.units} batches cannot "
+                             f"give each of {self.size} ranks a batch")
 
     def __getitem__(self, index):
-        return self.dataset[index * self.size + self.rank]
+        return self.dataset[self._first_unit(index) + self.rank]
 
-    def on_epoch_end(self):
-        self.dataset.on_epoch_end()  # a resumed job replays these (epoch_resume.move_data_on)
+    def skip_epochs(self, count: int) -> None:
+        """Call the PyDataset's ``on_epoch_end`` `count` times (a resumed job replays them)."""
+        for _ in range(count):
+            self.dataset.on_epoch_end()
 
 
 def _shard_tf_dataset(dataset, batch_size, shuffle, seed, drop_remainder):

@@ -50,6 +50,65 @@ def training_data():
     return _training_data
 
 
+def backup_state(batches_done: int, size: int, steps) -> dict:
+    """What a backup taken after `batches_done` batches of an epoch needs to be resumed by a
+    job of another size: this job's size and steps per epoch, and for ``mgpu.data.shard``
+    data the global position in the epoch's order (units done by all ranks together)."""
+    state = {"size": int(size), "steps": int(steps) if steps else None}
+    data = _training_data
+    if batches_done and hasattr(data, "position"):
+        state["position"] = int(data.position(batches_done))
+        state["unit"] = data.unit
+    return state
+
+
+def resume_point(epochs: int, batches: int, saved: dict, size: int, steps):
+    """Where this job continues a backup of (`epochs` done, `batches` of the next done).
+
+    Args:
+        epochs, batches: the backup's position, in the numbering of the job that wrote it.
+        saved: :func:`backup_state` of that job ({} for a backup without it: same size).
+        size: this job's number of processes.
+        steps: this ``fit``'s steps per epoch (None: unknown).
+
+    Returns:
+        ``(epochs, batches, note)``: where to resume, in this job's numbering, and what a
+        resume across a size change did, in words ("" when the size is the same).
+
+    With ``mgpu.data.shard`` data the epoch continues at the same global position of its
+    order (:meth:`mgpu_launch.data._Shard.start_at`): every unit of the interrupted epoch is
+    trained once, except a remainder smaller than one global batch of the new size. Other
+    data resumes at the same fraction of the epoch, with a warning.
+    """
+    old_size = int(saved.get("size") or size)
+    data = _training_data
+    if "position" in saved and hasattr(data, "start_at") and batches:
+        skip = data.start_at(saved["position"])
+        if skip >= len(data):
+            data.start_at(0)
+            epochs, skip = epochs + 1, 0
+        note = "" if old_size == size else (
+            f"backed up by {_processes(old_size)} after {saved['position']} "
+            f"{saved.get('unit', 'unit')}s of the epoch's order; now {_processes(size)}")
+        return epochs, skip, note
+    if old_size == size or not batches:
+        return epochs, batches, ""
+    old_steps = saved.get("steps")
+    skip = batches * steps // old_steps if steps and old_steps else batches
+    warnings.warn(f"BackupAndRestore: the backup was written by {old_size} processes, this job "
+                  f"has {size}; only mgpu.data.shard data can continue at the same sample, so "
+                  f"this data continues at the same fraction of the epoch (batch {skip} of "
+                  f"{steps}).", stacklevel=3)
+    if steps and skip >= steps:
+        return epochs + 1, 0, f"backed up by {_processes(old_size)}; now {_processes(size)}"
+    return epochs, skip, (f"backed up by {_processes(old_size)} after batch {batches}; now "
+                          f"{_processes(size)}")
+
+
+def _processes(count: int) -> str:
+    return f"{count} process" + ("es" if count != 1 else "")
+
+
 def move_data_on(adapter, epochs: int) -> None:
     """Put the adapter's data set at the start of epoch `epochs` (0-based), where it can."""
     dataset = getattr(adapter, "py_dataset", None)

@@ -2,6 +2,7 @@
 restores every rank and continues at the backed-up epoch and batch."""
 
 import glob
+import json
 import os
 import re
 import shutil
@@ -11,14 +12,17 @@ from typing import List, Tuple, Union
 
 import keras
 
-from mgpu_launch import collectives, engines, keras_patches, runtime
-from mgpu_launch.callbacks.io import _is_chief, save_atomically
+from mgpu_launch import collectives, engines, epoch_resume, keras_patches, runtime
+from mgpu_launch.callbacks.io import _is_chief, read_attributes, save_atomically
+from mgpu_launch.callbacks.schedule import lr_target
 from mgpu_launch.callbacks.sync import model_state_variables
 
 # epoch-<epochs done>.weights.h5, or epoch-<epochs done>-batch-<batches done>.weights.h5
 _BACKUP = re.compile(r"^epoch-(\d+)(?:-batch-(\d+))?\.weights\.h5$")
 # What save_atomically leaves behind when its process is killed mid-write.
 _PARTIAL = re.compile(r"^\..*\.partial-\d+\.weights\.h5$")
+# The HDF5 root attribute with epoch_resume.backup_state (the writer's size, data position).
+_STATE = "mgpu_backup_state"
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -55,6 +59,15 @@ class BackupAndRestore(keras.callbacks.Callback):
         keep: how many backups to keep (newest first); 2 or more leaves an older one to fall
             back on if the newest cannot be read.
         delete_checkpoint: remove the folder when ``fit`` finishes normally.
+        rescale_lr: when the backup was written by a job of another size (elastic training,
+            see docs/fault-tolerance.md), multiply the restored learning rate by
+            ``size() / old size``, as ``mgpu.scale_lr`` scales it. A ``LearningRateSchedule``
+            is not restored (your script builds it again) and is left alone.
+
+    Each backup also records the writer's size and, for ``mgpu.data.shard`` data, the global
+    position in the epoch's order, so a job restarted with another number of processes
+    continues the interrupted epoch at the same sample (``mgpu.data.shard`` splits the rest
+    into batches of the new size).
 
     Example:
         >>> model.fit(mgpu.data.shard((x, y), 64, shuffle=True), epochs=90,
@@ -63,7 +76,7 @@ class BackupAndRestore(keras.callbacks.Callback):
     """
 
     def __init__(self, backup_dir: str, save_freq: Union[str, int] = "epoch", keep: int = 1,
-                 delete_checkpoint: bool = True):
+                 delete_checkpoint: bool = True, rescale_lr: bool = True):
         super().__init__()
         if not backup_dir:
             raise ValueError("BackupAndRestore: backup_dir is empty; give a folder path")
@@ -75,7 +88,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             raise ValueError(f"BackupAndRestore: keep={keep!r}; expected how many backups to "
                              f"keep, an integer >= 1")
         self.backup_dir, self.save_freq, self.keep = backup_dir, save_freq, keep
-        self.delete_checkpoint = delete_checkpoint
+        self.delete_checkpoint, self.rescale_lr = delete_checkpoint, rescale_lr
         self._epoch = self._done_in_epoch = self._resumed_batches = 0
         self._batches_since_save = 0
         if save_freq != "epoch":
@@ -98,12 +111,12 @@ class BackupAndRestore(keras.callbacks.Callback):
                 os.remove(path)
 
     def _restore_on_chief(self):
-        """Load the newest readable backup; its (epochs done, batches done), or None."""
+        """Load the newest readable backup; ((epochs done, batches done), its state), or None."""
         self._remove_partial_files()
         for position, path in self._backups():
             try:
                 self.model.load_weights(path)
-                return position
+                return position, json.loads(read_attributes(path).get(_STATE, "{}"))
             except (OSError, ValueError) as error:
                 warnings.warn(f"BackupAndRestore: cannot read {path} ({error}); trying an "
                               f"older backup", stacklevel=2)
@@ -134,21 +147,39 @@ class BackupAndRestore(keras.callbacks.Callback):
         model = self.model
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)  # the slots the backup fills
-        position = self._restore_on_chief() if _is_chief() else None
+        restored = self._restore_on_chief() if _is_chief() else None
         if runtime.is_multi_process():
-            position = collectives.broadcast_object(position)
-            if position is not None:
+            restored = collectives.broadcast_object(restored)
+            if restored is not None:
                 engines.get_engine().broadcast_variables(model_state_variables(model), 0)
         self._batches_since_save = self._resumed_batches = 0
-        if position is None:
+        if restored is None:
             return
-        epochs, batches = position
+        (epochs, batches), saved = restored
+        size = runtime.size() if runtime.is_initialized() else 1
+        epochs, batches, note = epoch_resume.resume_point(
+            epochs, batches, saved, size, (self.params or {}).get("steps"))
+        old_size = int(saved.get("size") or size)
+        if old_size != size and self.rescale_lr:
+            note += self._rescale_learning_rate(size / old_size)
+        note = f" ({note})" if note else ""
         model._initial_epoch, self._resumed_batches = epochs, batches
         keras_patches.resume_at(epochs, batches)
         if _is_chief():
             where = f", batch {batches + 1}" if batches else ""
             print(f"BackupAndRestore: resuming at epoch {epochs + 1}{where} from "
-                  f"{self.backup_dir}")
+                  f"{self.backup_dir}{note}", flush=True)
+
+    def _rescale_learning_rate(self, factor: float) -> str:
+        try:
+            kind, target = lr_target(self.model.optimizer)
+        except ValueError:  # a schedule in a plain optimizer: nothing was restored
+            return ""
+        if kind != "value":
+            return ""  # a schedule: built again by the script, for this size
+        old = float(keras.ops.convert_to_numpy(target.learning_rate))
+        target.learning_rate = old * factor
+        return f", learning rate {old:g} -> {old * factor:g}"
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -173,7 +204,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             return
         epochs, batches = position
         name = f"epoch-{epochs}" + (f"-batch-{batches}" if batches else "") + ".weights.h5"
-        save_atomically(self.model, os.path.join(self.backup_dir, name), weights_only=True)
+        state = epoch_resume.backup_state(batches, runtime.size() if runtime.is_initialized()
+                                          else 1, (self.params or {}).get("steps"))
+        save_atomically(self.model, os.path.join(self.backup_dir, name), weights_only=True,
+                        attributes={_STATE: json.dumps(state)})
         for _, old in self._backups()[self.keep:]:
             os.remove(old)
 

@@ -6,6 +6,7 @@
 """
 
 import os
+from typing import Optional
 
 import keras
 import numpy as np
@@ -71,9 +72,12 @@ def _partial_path(filepath: str) -> str:
     return os.path.join(folder, f".{stem}.partial-{os.getpid()}{suffix}")
 
 
-def save_atomically(model, filepath: str, weights_only: bool) -> None:
+def save_atomically(model, filepath: str, weights_only: bool,
+                    attributes: Optional[dict] = None) -> None:
     """``model.save`` / ``save_weights`` into a hidden sibling, then rename it over `filepath`:
-    a process killed mid-write leaves whatever `filepath` held before. Creates the folder."""
+    a process killed mid-write leaves whatever `filepath` held before. Creates the folder.
+    `attributes` (``.weights.h5`` only): strings stored as the HDF5 file's root attributes,
+    inside the same atomic write (Keras's loading ignores them; see :func:`read_attributes`)."""
     folder = os.path.dirname(filepath)
     if folder:
         os.makedirs(folder, exist_ok=True)
@@ -83,10 +87,23 @@ def save_atomically(model, filepath: str, weights_only: bool) -> None:
             model.save_weights(partial, overwrite=True)
         else:
             model.save(partial, overwrite=True)
+        if attributes:
+            import h5py  # Keras's own dependency for .weights.h5
+
+            with h5py.File(partial, "a") as store:
+                store.attrs.update(attributes)
         os.replace(partial, filepath)
     finally:
         if os.path.exists(partial):
             os.remove(partial)
+
+
+def read_attributes(filepath: str) -> dict:
+    """The root attributes :func:`save_atomically` stored in a ``.weights.h5`` file."""
+    import h5py
+
+    with h5py.File(filepath, "r") as store:
+        return {key: str(value) for key, value in store.attrs.items()}
 
 
 class ModelCheckpoint(keras.callbacks.ModelCheckpoint):

@@ -1,0 +1,51 @@
+"""Reading tests/scripts/resize_ids.py's logs: which samples survived into the final weights.
+
+A job that is killed, or stopped to resize, loses the steps after its last backup; the next
+attempt resumes from that backup (its log names it). The samples an epoch *used* are those of
+the steps that were not lost, over every attempt and rank.
+"""
+
+import json
+import pathlib
+import re
+from typing import Dict, List, Tuple
+
+_BACKUP = re.compile(r"^epoch-(\d+)(?:-batch-(\d+))?\.weights\.h5$")
+
+
+def attempts(out) -> Dict[int, List[dict]]:
+    """attempt number -> the logs of its ranks (rank order)."""
+    found: Dict[int, Dict[int, dict]] = {}
+    for path in pathlib.Path(out).glob("attempt.*.rank.*.json"):
+        _, attempt, _, rank, _ = path.name.split(".")
+        found.setdefault(int(attempt), {})[int(rank)] = json.loads(path.read_text())
+    return {a: [ranks[r] for r in sorted(ranks)] for a, ranks in sorted(found.items())}
+
+
+def resumed_from(log: dict) -> Tuple[int, int]:
+    """(epochs done, batches done) of the backup an attempt resumed from; (0, 0): none."""
+    names = [m for m in map(_BACKUP.match, log.get("resumed_from", [])) if m]
+    if not names:
+        return 0, 0
+    assert len(names) == 1, log["resumed_from"]  # keep=1
+    return int(names[0].group(1)), int(names[0].group(2) or 0)
+
+
+def used_samples(out, epoch: int) -> List[int]:
+    """Every sample id `epoch` trained on in steps that survived, over attempts and ranks."""
+    runs = attempts(out)
+    numbers = sorted(runs)
+    used = []
+    for index, attempt in enumerate(numbers):
+        cut = (resumed_from(runs[numbers[index + 1]][0]) if index + 1 < len(numbers)
+               else (float("inf"), 0))
+        for log in runs[attempt]:
+            for step_epoch, batch, ids in log["trained"]:
+                if step_epoch == epoch and (step_epoch, batch) < cut:
+                    used += ids
+    return used
+
+
+def sizes(out) -> List[int]:
+    """The number of processes of each attempt, in order."""
+    return [ranks[0]["size"] for _, ranks in attempts(out).items()]

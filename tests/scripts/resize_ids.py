@@ -1,0 +1,83 @@
+"""Test worker for resuming with another number of processes: which samples trained, and when.
+
+    mgpu-train -np N resize_ids.py BACKUP_DIR OUT_DIR [KILL_EPOCH KILL_BATCH]
+
+64 samples, mgpu.data.shard(batch_size=4, shuffle=True), 3 epochs, BackupAndRestore every 3
+batches. With KILL_EPOCH KILL_BATCH (0-based), the last rank SIGKILLs itself at the end of that
+batch, in the first attempt only (MGPU_RESTART_COUNT 0 or unset). With RESIZE_STEP_SECONDS, every
+step sleeps that long (an elastic test's job lasts while hosts come and go). Each rank writes
+OUT_DIR/attempt.A.rank.R.json as it trains: the size, the backup it resumed from (file names
+in BACKUP_DIR when training began), and for every trained step its epoch,
+batch and the ids of the samples it trained on; at the end also the optimizer's step count and
+learning rate, and the final weights (attempt.A.rank.R.npz).
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import mgpu_launch as mgpu
+
+mgpu.init()
+import keras  # noqa: E402
+import tiny_model  # noqa: E402
+
+backup_dir, out = sys.argv[1], sys.argv[2]
+# RESIZE_ATTEMPT: a test that starts the attempts itself (mgpu-train sets MGPU_RESTART_COUNT 0)
+attempt = os.environ.get("RESIZE_ATTEMPT") or os.environ.get("MGPU_RESTART_COUNT", "0")
+kill = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 4 and attempt == "0" else None
+pause = float(os.environ.get("RESIZE_STEP_SECONDS", "0"))
+rng = np.random.default_rng(7)  # the same data on every rank: shard() splits it
+x = rng.normal(size=(64, 5)).astype("float32")
+y = rng.integers(0, 3, size=64)
+id_of = {row.tobytes(): i for i, row in enumerate(x)}
+model = tiny_model.compiled(keras, mgpu)
+train = mgpu.data.shard((x, y), batch_size=4, shuffle=True, seed=3)
+fetched = {}
+
+
+class Recorded(type(train)):
+    def __getitem__(self, index):
+        batch = super().__getitem__(index)
+        fetched[(self.epoch, index)] = [id_of[row.tobytes()] for row in batch[0]]
+        return batch
+
+
+train.__class__ = Recorded
+path = os.path.join(out, f"attempt.{attempt}.rank.{mgpu.rank()}")
+log = {"size": mgpu.size(), "trained": []}
+
+
+def write():
+    with open(path + ".json.partial", "w") as f:
+        json.dump(log, f)
+    os.replace(path + ".json.partial", path + ".json")
+
+
+class Trace(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):  # after BackupAndRestore's: the backup it resumed
+        found = os.listdir(backup_dir) if os.path.isdir(backup_dir) else []
+        log["resumed_from"] = sorted(n for n in found if not n.startswith("."))
+        write()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        log["trained"].append([self.epoch, batch, fetched[(train.epoch, batch)]])
+        write()
+        if kill == (self.epoch, batch) and mgpu.rank() == mgpu.size() - 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(pause)
+
+
+model.fit(train, epochs=3, verbose=0,
+          callbacks=[mgpu.callbacks.BackupAndRestore(backup_dir, save_freq=3), Trace()])
+log["iterations"] = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
+log["learning_rate"] = float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
+np.savez(path + ".npz", *model.get_weights())
+write()
