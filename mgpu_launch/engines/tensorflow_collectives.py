@@ -29,6 +29,8 @@ from typing import Any, List, Sequence
 
 import numpy as np
 
+from mgpu_launch import runtime
+
 #: instance keys of padded gathers: [_BUCKET_REGION, 2**31), blocks of _BLOCK keys, one block
 #: per gather signature and one key per bucket in it (the engine's derived keys live in
 #: [1, 2**30], its counter counts up from 2**30: it would need 2**29 executions to get here)
@@ -164,7 +166,7 @@ def broadcast(engine, tensor, root_rank: int):
         return _mpi_broadcast(engine, tensor, root_rank)
     engine._check_not_xla()
     wire, back = _to_wire(tensor, _REDUCIBLE)
-    mine = wire if engine.comm.Get_rank() == root_rank else tf.zeros_like(wire)
+    mine = wire if runtime.state.rank == root_rank else tf.zeros_like(wire)
     summed = tf.raw_ops.CollectiveReduceV2(
         input=mine, group_size=engine.size, group_key=1,
         instance_key=engine._instance_key_for(mine, kind="bcast"),
