@@ -16,6 +16,7 @@ from keras import ops
 from mgpu_launch import collectives, engines, keras_patches, runtime
 from mgpu_launch.collectives import MismatchError, ReduceOp
 from mgpu_launch.compression import Compression, Compressor
+from mgpu_launch.optimizer_step import Accumulation, _MultipliedSchedule, apply_inner, innermost
 
 
 @keras.saving.register_keras_serializable(package="mgpu_launch")
@@ -29,7 +30,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             gradients travel in; they are cast back after the allreduce.
         op: ``mgpu.Average`` (default) or ``mgpu.Sum``.
         backward_passes_per_step: accumulate this many local gradients before one allreduce
-            and one update (a larger effective batch at the same memory).
+            and one update (a larger effective batch at the same memory). As with Keras's
+            ``gradient_accumulation_steps``, ``iterations`` counts updates while a
+            ``LearningRateSchedule`` is called with the number of backward passes (Horovod's
+            ``iterations`` counts passes).
         average_aggregated_gradients: divide the accumulated gradients by
             ``backward_passes_per_step`` (True, default) or keep their sum.
         gradient_predivide_factor: with ``op=Average``, divide by this factor before the sum
@@ -49,6 +53,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     tell ``compile`` not to add another one:
     ``DistributedOptimizer(LossScaleOptimizer(opt))`` and ``compile(..., auto_scale_loss=False)``.
     The loss scaler then checks the *reduced* gradients, so every rank agrees on skipping a step.
+    On JAX the loss scaler runs its own stateless update inside the compiled step.
     A ``LossScaleOptimizer`` wrapped *around* this one would check each rank's local gradients
     and could make ranks disagree (and hang); that case is refused with an error.
 
@@ -105,12 +110,16 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         #: with a LearningRateSchedule: a variable its output is multiplied by (LR callbacks)
         self.lr_multiplier = None
         self._sync_in_step = False
-        schedule = optimizer._learning_rate
-        if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
+        self._accumulation: Optional[Accumulation] = None
+        self._schedule: Optional[_MultipliedSchedule] = None
+        scheduled = innermost(optimizer)  # under a LossScaleOptimizer: the optimizer it wraps
+        if isinstance(scheduled._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
             with keras.name_scope(self.name, caller=self):
                 self.lr_multiplier = self.add_variable(shape=(), initializer="ones",
                                                        name="lr_multiplier")
-            optimizer._learning_rate = _MultipliedSchedule(schedule, self.lr_multiplier)
+            self._schedule = _MultipliedSchedule(scheduled._learning_rate, self.lr_multiplier,
+                                                 self.backward_passes_per_step)
+            scheduled._learning_rate = self._schedule
         # Device prefetch of fit's batches (MGPU_PREFETCH), the ranks' agreement check before
         # the first step, and (JAX) the engine's train step: all patches of Keras internals.
         keras_patches.install(DistributedOptimizer)
@@ -133,10 +142,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 "auto_scale_loss=False).")
         self.inner_optimizer.build(var_list)
         if self.backward_passes_per_step > 1:
-            self._pass_counter = self.add_variable(
-                shape=(), dtype="int", initializer="zeros", name="pass_counter")
-            self._accumulators = [self.add_variable_from_reference(v, name="accumulated_grad")
-                                  for v in var_list]
+            self._accumulation = Accumulation(self, var_list, self.backward_passes_per_step,
+                                              self.average_aggregated_gradients)
+            if self._schedule is not None:
+                self._schedule.pass_counter = self._accumulation.pass_counter
         self._in_step_synced = self.add_variable(shape=(), dtype="int", initializer="zeros",
                                                  name="in_step_synced")
         super().build(var_list)
@@ -206,27 +215,16 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         variables = trainable_variables or self._trainable_variables
         if self._sync_in_step:
             self._broadcast_in_step(variables)
-        grads = list(grads)
-        if self.backward_passes_per_step == 1:
-            self.inner_optimizer.apply(self._reduce(grads, variables), trainable_variables)
-            return
-        for accumulator, grad in zip(self._accumulators, grads):
-            if grad is not None:
-                accumulator.assign_add(ops.convert_to_tensor(grad, accumulator.dtype))
-        self._pass_counter.assign_add(1)
 
-        def reduce_and_apply():
-            passes = self.backward_passes_per_step
-            local = [ops.divide(a.value, passes) if self.average_aggregated_gradients
-                     else a.value for a in self._accumulators]
-            self.inner_optimizer.apply(self._reduce(local, variables), trainable_variables)
-            for accumulator in self._accumulators:
-                accumulator.assign(ops.zeros(accumulator.shape, accumulator.dtype))
-            self._pass_counter.assign(0)
+        def reduce_and_apply(local):
+            apply_inner(self.inner_optimizer, self._reduce(local, variables),
+                        trainable_variables, self._schedule)
 
-        engines.get_engine_or_default().cond_update(
-            ops.equal(self._pass_counter, self.backward_passes_per_step), reduce_and_apply,
-            list(variables) + self.variables)
+        if self._accumulation is None:
+            reduce_and_apply(list(grads))
+        else:
+            self._accumulation.step(list(grads), engines.get_engine_or_default().cond_update,
+                                    reduce_and_apply, list(variables) + self.variables)
 
     # -- forwarded to the inner optimizer ---------------------------------------------------
     @property
@@ -285,13 +283,14 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         return config
 
     def _serialized_inner(self) -> dict:
-        schedule = self.inner_optimizer._learning_rate
+        scheduled = innermost(self.inner_optimizer)
+        schedule = scheduled._learning_rate
         if isinstance(schedule, _MultipliedSchedule):  # save the user's schedule, not ours
-            self.inner_optimizer._learning_rate = schedule.schedule
+            scheduled._learning_rate = schedule.schedule
         try:
             return keras.saving.serialize_keras_object(self.inner_optimizer)
         finally:
-            self.inner_optimizer._learning_rate = schedule
+            scheduled._learning_rate = schedule
 
     def get_config(self):
         return {
@@ -314,27 +313,15 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         return cls(inner, **config)
 
 
-class _MultipliedSchedule(keras.optimizers.schedules.LearningRateSchedule):
-    """``schedule(step) * multiplier``: how LR callbacks scale a schedule they cannot set."""
-
-    def __init__(self, schedule, multiplier):
-        self.schedule, self.multiplier = schedule, multiplier
-
-    def __call__(self, step):
-        value = self.schedule(step)
-        return value * ops.cast(self.multiplier, keras.backend.standardize_dtype(value.dtype))
-
-    def get_config(self):
-        return self.schedule.get_config()
-
-
 def check_same_variables(variables, what: str) -> None:
     """Raise MismatchError on every rank unless all ranks hold the same variables.
 
     Compares count, shapes and dtypes (not values) with rank 0's, and names the first variable
     that differs.
     """
-    mine = [(v.path, tuple(v.shape), keras.backend.standardize_dtype(v.dtype)) for v in variables]
+    # A raw tf.Variable (accepted by Keras optimizers on TF) has a name but no path.
+    mine = [(getattr(v, "path", None) or v.name, tuple(v.shape),
+             keras.backend.standardize_dtype(v.dtype)) for v in variables]
     everyone = collectives.allgather_object(mine)
     reference = everyone[0]
     for rank, theirs in enumerate(everyone[1:], start=1):

@@ -26,7 +26,7 @@ LAYERS = [
     ("engines", ["mgpu_launch.engines"]),
     ("Keras glue", ["mgpu_launch.fit_guard", "mgpu_launch.stall_probes",
                     "mgpu_launch.epoch_resume", "mgpu_launch.keras_patches",
-                    "mgpu_launch.optimizer",
+                    "mgpu_launch.optimizer", "mgpu_launch.optimizer_step",
                     "mgpu_launch.callbacks", "mgpu_launch.data",
                     "mgpu_launch.batch_statistics", "mgpu_launch.layers",
                     "mgpu_launch._horovod", "mgpu_launch.tensorflow_ops",
