@@ -18,61 +18,47 @@ own runtime, optimizer and callbacks. Differences, all listed in docs/horovod-mi
   (Keras 3 raises TypeError on it); the argument is dropped with a warning (see
   :func:`init`). It does not pin GPUs: the launcher already gives each process one GPU, so
   Horovod's ``set_visible_devices(gpus[hvd.local_rank()], 'GPU')`` lines must be deleted.
-- ``allreduce``, ``allgather`` and ``broadcast`` are host collectives (for metrics and small
-  state): call them eagerly, outside a ``tf.function``. They return a tensor of the Keras backend.
+- ``allreduce``, ``allgather``, ``broadcast`` and ``reducescatter`` run on the host (MPI)
+  when called eagerly, on every backend, and return a tensor of the Keras backend; inside a
+  ``tf.function`` (TensorFlow backend) they are TensorFlow's in-graph collectives
+  (``mgpu_launch.tensorflow``).
 - Not provided: Adasum, process sets other than the global one, explicit gradient groups,
-  ``reducescatter``, ``elastic``, the timeline. Using one raises an error that says what to do.
+  ``elastic``, the timeline. Every such name raises ``HorovodNotSupported`` (an
+  AttributeError) saying what to do instead (``mgpu_launch._horovod``); refused arguments a
+  ValueError.
 """
 
+import gc
 import shlex
 import sys
-import types
 
 import keras
 import numpy as np
 
-from mgpu_launch import collectives, keras_patches, optimizer as _optimizer, runtime
-from mgpu_launch import callbacks as _callbacks, launch as _launch
-from mgpu_launch.collectives import Average, Sum
+from mgpu_launch import _horovod, collectives, engines, keras_patches, runtime
+from mgpu_launch import _keras_callbacks as callbacks, launch as _launch
+from mgpu_launch import optimizer as _optimizer, tensorflow_ops
+from mgpu_launch._horovod import (Adasum, Average, Sum, ccl_built, cuda_built, ddl_built,
+                                  gloo_built, gloo_enabled, global_process_set, mpi_built,
+                                  mpi_enabled, mpi_threads_supported, nccl_built, rocm_built)
+from mgpu_launch.callbacks import model_state_variables
 from mgpu_launch.compression import Compression
 from mgpu_launch.layers import SyncBatchNormalization
 from mgpu_launch.runtime import (cross_rank, cross_size, is_initialized, local_rank, local_size,
                                  rank, shutdown, size)
 
-#: Horovod's Adasum reduction. Not implemented here: passing it raises ValueError.
-Adasum = "adasum"
-#: Horovod's default process set: every process of the job (the only one supported).
-global_process_set = types.SimpleNamespace(process_set_id=0, ranks=None)
-
-_WHY_MISSING = {
-    "reducescatter": "use hvd.allreduce and keep this rank's slice",
-    "elastic": "elastic training is not supported; restart the job with "
-               "mgpu.callbacks.BackupAndRestore to resume",
-    "start_timeline": "use the backend's profiler (e.g. keras.callbacks.TensorBoard)",
-    "stop_timeline": "use the backend's profiler (e.g. keras.callbacks.TensorBoard)",
-    "ProcessSet": "only the global process set exists: run a separate job per group",
-    "add_process_set": "only the global process set exists: run a separate job per group",
-    "broadcast_global_variables": "Keras 3 has no global variables (TF1 sessions); use "
-                                  "hvd.callbacks.BroadcastGlobalVariablesCallback(0)",
-}
-
-
-def __getattr__(name):
-    if name in _WHY_MISSING:
-        raise AttributeError(f"mgpu_launch.keras does not provide Horovod's {name!r}: "
-                             f"{_WHY_MISSING[name]}. See docs/horovod-migration.md.")
-    raise AttributeError(f"module 'mgpu_launch.keras' has no attribute {name!r}")
+_NAME = "mgpu_launch.keras"
+__getattr__ = _horovod.namespace_getattr(_NAME, {})
+# `hvd.callbacks.X` and `from mgpu_launch.keras.callbacks import X`, as with Horovod.
+sys.modules[f"{__name__}.callbacks"] = callbacks
 
 
 def _reject(argument: str, value, fix: str):
-    raise ValueError(f"{argument}={value!r} is not supported by mgpu_launch.keras: {fix}")
+    _horovod.reject(_NAME, argument, value, fix)
 
 
 def _check_op(op):
-    if isinstance(op, str) and op.lower() == Adasum:
-        _reject("op", "hvd.Adasum", "Adasum is not implemented. Use op=hvd.Average (the "
-                "default) with a learning rate scaled by hvd.size(), or op=hvd.Sum.")
-    return op
+    return _horovod.check_op(_NAME, op) if op is not None else op
 
 
 # -- runtime -----------------------------------------------------------------------------------
@@ -107,6 +93,7 @@ def init(comm=None, process_sets=None) -> None:
     runtime.init()
     # Horovod scripts pass compile(experimental_run_tf_function=False), a Keras 2 argument.
     keras_patches.install_horovod_compile()
+    keras_patches.install_callable_optimizer_variables()  # and call opt.variables()
 
 
 # -- collectives on values -----------------------------------------------------------------------
@@ -118,7 +105,8 @@ def _host(value) -> np.ndarray:
 
 def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0,
               op=None, compression=Compression.none):
-    """Average (or sum) `value` over all processes, eagerly, on the host.
+    """Average (or sum) `value` over all processes: on the host when called eagerly, as
+    TensorFlow's in-graph collective inside a ``tf.function``.
 
     Args:
         value: a tensor, numpy array or number; the same shape and dtype on every rank.
@@ -127,7 +115,8 @@ def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_fac
         prescale_factor: multiply `value` by this before the reduction.
         postscale_factor: multiply the result by this after it.
         op: ``hvd.Average`` (default) or ``hvd.Sum``.
-        compression: accepted; host collectives always send full precision.
+        compression: the wire dtype inside a ``tf.function``; host collectives (eager)
+            always send full precision.
 
     Returns:
         The reduced value as a tensor of the Keras backend.
@@ -139,10 +128,11 @@ def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_fac
     Example:
         >>> hvd.allreduce(float(val_loss))          # mean over the ranks
     """
-    if average is not None and op is not None:
-        raise ValueError("allreduce: pass op=hvd.Average or op=hvd.Sum, not both op and the "
-                         "deprecated average=")
-    op = _check_op(op) or (Average if average is None or average else Sum)
+    if _in_graph():
+        return tensorflow_ops.allreduce(value, average=average, op=op, compression=compression,
+                                        prescale_factor=prescale_factor,
+                                        postscale_factor=postscale_factor)
+    op = _horovod.check_op(_NAME, op, average)
     Compression.get(compression)
     array = _host(value)
     if prescale_factor != 1.0:
@@ -153,22 +143,84 @@ def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_fac
     return keras.ops.convert_to_tensor(result)
 
 
+def _in_graph() -> bool:
+    """Inside a tf.function (TensorFlow backend): the values have no host copy."""
+    return runtime.is_initialized() and engines.get_engine_or_default().tracing()
+
+
 def allgather(value, name=None):
-    """Every rank's `value` concatenated along the first axis (ragged), as a backend tensor.
+    """Every rank's `value` concatenated along the first axis (ragged), as a backend tensor
+    (in-graph inside a ``tf.function``).
 
     Example:
         >>> hvd.allgather(np.array([hvd.rank()]))   # [0, 1] on 2 processes
     """
+    if _in_graph():
+        return tensorflow_ops.allgather(value)
     return keras.ops.convert_to_tensor(collectives.allgather(_host(value)))
 
 
 def broadcast(value, root_rank, name=None):
-    """Rank `root_rank`'s `value` (same shape and dtype on every rank), as a backend tensor.
+    """Rank `root_rank`'s `value` (same shape and dtype on every rank), as a backend tensor
+    (in-graph inside a ``tf.function``).
 
     Example:
         >>> seed = hvd.broadcast(np.random.randint(1 << 30), root_rank=0)
     """
+    if _in_graph():
+        return tensorflow_ops.broadcast(value, root_rank)
     return keras.ops.convert_to_tensor(collectives.broadcast(_host(value), root_rank))
+
+
+def reducescatter(value, name=None, op=Average):
+    """`value` averaged (or summed) over the ranks, and this rank's rows of the result: the
+    first ``n % size`` ranks get ``n // size + 1`` rows, the others ``n // size`` (Horovod's
+    split). An allreduce followed by a slice (in-graph inside a ``tf.function``).
+
+    Example:
+        >>> hvd.reducescatter(np.ones((4, 3)), op=hvd.Sum)   # 2 ranks: rows of 2.0, 2 each
+    """
+    if _in_graph():
+        return tensorflow_ops.reducescatter(value, op=_check_op(op))
+    reduced = collectives.allreduce(_host(value), op=_horovod.check_op(_NAME, op))
+    rows, ranks, me = reduced.shape[0], runtime.size(), runtime.rank()
+    start = me * (rows // ranks) + min(me, rows % ranks)
+    return keras.ops.convert_to_tensor(
+        reduced[start:start + rows // ranks + (1 if me < rows % ranks else 0)])
+
+
+def broadcast_global_variables(root_rank):
+    """Every live Keras model's weights and optimizer state get rank `root_rank`'s values.
+
+    Keras 3 has no registry of global variables (Horovod's TF1 collection): this walks the
+    live objects for built Keras models, in the order of their names, after checking that
+    every rank holds the same variables. Seed-generator states stay per rank. Call it eagerly
+    on every rank; with ``fit`` prefer ``hvd.callbacks.BroadcastGlobalVariablesCallback``.
+
+    Raises:
+        mgpu.MismatchError: the ranks hold different models or variables.
+        ValueError: two live models share a name (e.g. a model and its reloaded copy), so
+            the ranks could pair them differently: ``del`` the one you no longer use, or
+            use the callback.
+
+    Example:
+        >>> hvd.broadcast_global_variables(0)
+    """
+    gc.collect()  # what is left must not depend on when a rank last collected
+    models = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, keras.Model) and obj.built:
+            models.setdefault(obj.name, []).append(obj)
+    shared = sorted(name for name, found in models.items() if len(found) > 1)
+    if shared:
+        raise ValueError(f"broadcast_global_variables: {len(shared)} live models share the "
+                         f"name {shared[0]!r}, so the ranks could pair their variables "
+                         f"differently. Delete the one you no longer use (del model), or use "
+                         f"hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank) in fit.")
+    variables = [v for name in sorted(models) for v in model_state_variables(models[name][0])]
+    if runtime.is_multi_process():
+        _optimizer.check_same_variables(variables, "the live Keras models' variables")
+        engines.get_engine().broadcast_variables(variables, root_rank)
 
 
 def broadcast_object(obj, root_rank=0, name=None):
@@ -198,8 +250,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         num_groups, groups: must be 0 / None: gradients are fused into buffers by the engine
             (``MGPU_FUSION_MB``), not by explicit groups.
         process_set: must be the global process set.
-        scale_local_gradients: ignored: there are no per-rank (local) variables; every gradient
-            is reduced.
+        scale_local_gradients: divide the gradients of variables registered with the
+            optimizer's ``register_local_var`` by ``size()`` (Horovod's default, True).
 
     Returns:
         An ``mgpu.DistributedOptimizer``, a ``keras.optimizers.Optimizer``.
@@ -218,12 +270,41 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     if process_set is not None and process_set is not global_process_set:
         _reject("process_set", process_set, "gradients are always reduced over every process "
                 "of the job. Leave process_set out (or pass hvd.global_process_set).")
-    return _optimizer.DistributedOptimizer(
+    distributed = _optimizer.DistributedOptimizer(
         optimizer, compression=compression, op=_check_op(op),
         backward_passes_per_step=backward_passes_per_step,
         average_aggregated_gradients=average_aggregated_gradients,
         gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
         name=name)
+    distributed.scale_local_gradients = bool(scale_local_gradients)
+    return distributed
+
+
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                                compression=Compression.none, sparse_as_dense=False,
+                                gradient_predivide_factor=1.0, op=Average,
+                                backward_passes_per_step=1, average_aggregated_gradients=False,
+                                groups=None, process_set=global_process_set, local_layers=None,
+                                scale_local_gradients=True):
+    """Horovod's: a :func:`DistributedOptimizer` whose `local_layers` keep their weights per
+    rank (not averaged, not copied from rank 0); the other arguments are DistributedOptimizer's.
+
+    Example:
+        >>> opt = hvd.PartialDistributedOptimizer(keras.optimizers.Adam(0.001),
+        ...                                       local_layers=[model.layers[-1]])
+    """
+    distributed = DistributedOptimizer(
+        optimizer, name=name, compression=compression, sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor, op=op,
+        backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients, groups=groups,
+        process_set=process_set, scale_local_gradients=scale_local_gradients)
+    layers = [] if local_layers is None else (
+        list(local_layers) if isinstance(local_layers, (list, tuple)) else [local_layers])
+    for layer in layers:
+        for weight in layer.trainable_weights:
+            distributed.register_local_var(weight)
+    return distributed
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None,
@@ -297,42 +378,10 @@ def run(func, args=(), kwargs=None, np=1, hosts=None, hostfile=None, mpi_args=No
                        mpirun_args=shlex.split(mpi_args or ""), all_ranks=True)
 
 
-# -- callbacks -----------------------------------------------------------------------------------
-class BroadcastGlobalVariablesCallback(_callbacks.BroadcastGlobalVariablesCallback):
-    """Horovod's: every rank starts from `root_rank`'s weights and optimizer state.
-
-    Args:
-        root_rank: the rank whose state everyone starts from.
-        device: ignored (each process has one device).
-        local_variables: must be empty: DistributedOptimizer copies every trainable weight from
-            rank 0 and averages every gradient, so per-rank variables cannot be kept.
-    """
-
-    def __init__(self, root_rank, device="", local_variables=None):
-        if local_variables:
-            _reject("local_variables", local_variables, "every variable is copied from rank 0. "
-                    "Remove local_variables.")
-        super().__init__(root_rank)
-
-
-class MetricAverageCallback(_callbacks.MetricAverageCallback):
-    """Horovod's: average the epoch's metric logs over the ranks (`device` is ignored)."""
-
-    def __init__(self, device=""):
-        super().__init__()
-
-
-# `hvd.callbacks.X` and `from mgpu_launch.keras.callbacks import X`, as with Horovod.
-callbacks = types.ModuleType(f"{__name__}.callbacks", "Horovod's Keras callbacks.")
-callbacks.BroadcastGlobalVariablesCallback = BroadcastGlobalVariablesCallback
-callbacks.MetricAverageCallback = MetricAverageCallback
-callbacks.LearningRateWarmupCallback = _callbacks.LearningRateWarmupCallback
-callbacks.LearningRateScheduleCallback = _callbacks.LearningRateScheduleCallback
-sys.modules[callbacks.__name__] = callbacks
-
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
     "cross_rank", "cross_size", "allreduce", "allgather", "broadcast", "broadcast_object",
-    "DistributedOptimizer", "load_model", "Compression", "Average", "Sum", "Adasum",
-    "global_process_set", "callbacks", "run", "SyncBatchNormalization",
+    "DistributedOptimizer", "PartialDistributedOptimizer", "load_model", "Compression",
+    "Average", "Sum", "Adasum", "global_process_set", "callbacks", "run", "reducescatter",
+    "broadcast_global_variables", *_horovod.QUERIES, "SyncBatchNormalization",
 ]

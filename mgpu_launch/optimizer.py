@@ -106,6 +106,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self.average_aggregated_gradients = bool(average_aggregated_gradients)
         self.gradient_predivide_factor = float(gradient_predivide_factor)
         self.sparse_as_dense = bool(sparse_as_dense)
+        #: ids of variables kept per rank (register_local_var): not reduced, not synced
+        self._local_ids = set()
+        #: divide local variables' gradients by size() (Horovod's scale_local_gradients)
+        self.scale_local_gradients = True
         self.cuda_graph = cuda_graph
         #: with a LearningRateSchedule: a variable its output is multiplied by (LR callbacks)
         self.lr_multiplier = None
@@ -171,7 +175,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         # slots created inside the step's trace cannot be read back yet.
         engine = engines.get_engine()
         if engine.readable_on_host(self._trainable_variables):
-            engine.broadcast_variables(list(self._trainable_variables), 0)
+            engine.broadcast_variables(self._shared(self._trainable_variables), 0)
         else:  # created inside the step's trace (TF, lazily built models): sync in the step
             self._sync_in_step = True
         self._synced = True
@@ -180,6 +184,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         """At the first executed step: rank 0's values, as a sum of (rank 0's, zeros, ...)."""
         engine = engines.get_engine()
         is_root = runtime.rank() == 0
+        variables = self._shared(variables)
 
         def copy_from_root():
             sent = [v.value if is_root else ops.zeros_like(v.value) for v in variables]
@@ -195,11 +200,28 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         return self._variables + self.inner_optimizer.variables
 
     # -- the step ---------------------------------------------------------------------------
+    def register_local_var(self, var) -> None:
+        """Keep `var` per rank (Horovod's name): its gradient is not reduced (only divided by
+        ``size()`` while ``scale_local_gradients``, as Horovod does, since the learning rate is
+        scaled by it) and rank 0's value is not copied to it. Call before the first step."""
+        self._local_ids.add(id(var))
+
+    def _shared(self, variables) -> list:
+        return [v for v in variables if id(v) not in self._local_ids]
+
     def _reduce(self, grads: List[Any], variables) -> List[Any]:
         if not runtime.is_multi_process():
             return grads
-        return engines.get_engine().reduce_gradients(grads, variables, **self._reduction(),
-                                                     sparse_as_dense=self.sparse_as_dense)
+        variables = list(variables)
+        shared = [i for i, v in enumerate(variables) if id(v) not in self._local_ids]
+        reduced = [g if id(v) not in self._local_ids or g is None or not self.scale_local_gradients
+                   else ops.divide(g, runtime.size()) for g, v in zip(grads, variables)]
+        summed = engines.get_engine().reduce_gradients(
+            [grads[i] for i in shared], [variables[i] for i in shared], **self._reduction(),
+            sparse_as_dense=self.sparse_as_dense)
+        for i, gradient in zip(shared, summed):
+            reduced[i] = gradient
+        return reduced
 
     def _reduction(self) -> dict:
         factor = self.gradient_predivide_factor

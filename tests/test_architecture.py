@@ -29,8 +29,9 @@ LAYERS = [
                     "mgpu_launch.optimizer", "mgpu_launch.optimizer_step",
                     "mgpu_launch.callbacks", "mgpu_launch.data",
                     "mgpu_launch.batch_statistics", "mgpu_launch.layers",
-                    "mgpu_launch._horovod", "mgpu_launch.tensorflow_ops",
-                    "mgpu_launch.tensorflow_tape", "mgpu_launch.tensorflow",
+                    "mgpu_launch._horovod", "mgpu_launch._keras_callbacks",
+                    "mgpu_launch.tensorflow_ops", "mgpu_launch.tensorflow_tape",
+                    "mgpu_launch.tensorflow",
                     "mgpu_launch.keras"]),
     ("tools and public API", ["mgpu_launch.bench", "mgpu_launch"]),
 ]

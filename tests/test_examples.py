@@ -104,6 +104,17 @@ def test_horovod_style_script_runs_with_only_its_import_changed(tmp_path):
     assert "import mgpu_launch.keras as hvd" in source and "import mgpu_launch as" not in source
 
 
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="a TensorFlow custom loop: TensorFlow only")
+def test_tensorflow_custom_loop_trains_on_two_processes():
+    pytest.importorskip("sklearn")
+    result = launch("-np", "2", "examples/tensorflow_custom_loop.py", "--epochs", "3",
+                    timeout=300, **ENV)
+    assert result.returncode == 0, explain(result)
+    line = [s for s in result.stdout.splitlines() if "validation accuracy after 3 epochs" in s]
+    assert line and "on 2 processes" in line[0], explain(result)
+    assert float(line[0].rsplit(" ", 1)[1]) > 0.8, line   # 0.93 here (2026-11-24)
+
+
 def test_train_on_two_processes_then_serve_on_one(tmp_path):
     pytest.importorskip("sklearn")
     out = tmp_path / "served"

@@ -29,17 +29,33 @@ def test_horovod_names_work_on_two_processes(tmp_path):
         assert report["lr"] == pytest.approx([0.1, 0.05])
         assert report["loaded"] == ["DistributedOptimizer", "fp16", 8]
         errors = report["errors"]
-        assert sorted(errors) == ["adasum", "comm", "groups", "local_variables", "num_groups",
-                                  "op_and_average", "process_set", "reducescatter"]
+        assert sorted(errors) == ["adasum", "comm", "elastic", "groups", "local_variables",
+                                  "num_groups", "op_and_average", "process_set",
+                                  "remove_process_set"]
         for argument in ("num_groups", "groups", "process_set", "local_variables", "comm"):
             assert errors[argument].startswith(f"{argument}="), errors[argument]
             assert "Remove" in errors[argument] or "Leave" in errors[argument] \
-                or "Call hvd.init()" in errors[argument], errors[argument]
+                or "Call hvd.init()" in errors[argument] or "pass variables" in errors[argument]
         assert "Adasum is not implemented" in errors["adasum"]
-        assert "docs/horovod-migration.md" in errors["reducescatter"]
+        for name in ("elastic", "remove_process_set"):  # one mechanism for every missing name
+            kind, message = errors[name]
+            assert kind == "HorovodNotSupported" and "docs/horovod-migration.md" in message
+        assert report["reducescatter"] == ([[0.0, 3.0], [6.0, 9.0]] if rank == 0
+                                           else [[12.0, 15.0]])   # 3 rows: 2 + 1
+        assert report["process_set"] == [2, [0, 1]]
+        assert report["queries"] == [True, True, False, False, False, False]
+        if BACKEND == "tensorflow":
+            assert report["in_graph"] == [[1.5, 5.0], [1.0, 2.0, 5.0], [2.0, 5.0],
+                                          [[3.0, 10.0]] if rank == 0 else [[3.0, 10.0]]]
+        assert report["best_checkpoint"] == "best_model.keras"
     # The Keras 2 compile argument is dropped with one warning, on rank 0 only.
     assert len(ranks[0]["warnings"]) == 1 and ranks[1]["warnings"] == []
     # Gradients were averaged: both ranks end with the same weights, before and after loading.
     assert ranks[0]["weights"] == ranks[1]["weights"]
     assert ranks[0]["loaded_weights"] == ranks[1]["loaded_weights"]
     assert ranks[0]["loss"] == ranks[1]["loss"]             # MetricAverageCallback
+    # A local layer keeps per-rank weights; the shared one is averaged and starts from rank 0's.
+    assert ranks[0]["partial_shared"] == ranks[1]["partial_shared"]
+    assert ranks[0]["partial_head"] != ranks[1]["partial_head"]
+    assert ranks[0]["partial_head_moved"] and ranks[1]["partial_head_moved"]
+    assert ranks[0]["after_global_broadcast"] == ranks[1]["partial_head"]   # rank 1's

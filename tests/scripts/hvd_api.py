@@ -45,7 +45,7 @@ refused = {
     "process_set": lambda: hvd.DistributedOptimizer(sgd, process_set=object()),
     "adasum": lambda: hvd.DistributedOptimizer(sgd, op=hvd.Adasum),
     "local_variables": lambda: hvd.callbacks.BroadcastGlobalVariablesCallback(
-        0, local_variables=[keras.Variable(1.0)]),
+        0, local_variables=["not a variable"]),
     "op_and_average": lambda: hvd.allreduce(1.0, average=True, op=hvd.Sum),
     "comm": lambda: hvd.init(comm=[0]),
 }
@@ -55,10 +55,25 @@ for label, call in refused.items():
         call()
     except ValueError as error:
         report["errors"][label] = str(error)
-try:
-    hvd.reducescatter
-except AttributeError as error:
-    report["errors"]["reducescatter"] = str(error)
+for missing in ("elastic", "remove_process_set"):
+    try:
+        getattr(hvd, missing)
+    except AttributeError as error:
+        report["errors"][missing] = [type(error).__name__, str(error)]
+report["reducescatter"] = host(hvd.reducescatter(np.arange(6.0).reshape(3, 2) * (rank + 1),
+                                                 op=hvd.Sum))
+report["process_set"] = [hvd.global_process_set.size(), hvd.global_process_set.ranks]
+report["queries"] = [hvd.mpi_built(), hvd.mpi_enabled(), hvd.gloo_built(), hvd.nccl_built(),
+                     hvd.ddl_built(), hvd.ccl_built()]
+if keras.backend.backend() == "tensorflow":  # in-graph, inside a tf.function
+    import tensorflow as tf
+
+    @tf.function
+    def in_graph(x):
+        return [hvd.allreduce(x), hvd.allgather(x[:rank + 1]), hvd.broadcast(x, root_rank=1),
+                hvd.reducescatter(tf.stack([x, x]), op=hvd.Sum)]
+
+    report["in_graph"] = [host(t) for t in in_graph(tf.constant([rank + 1.0, 5.0]))]
 
 opt = hvd.DistributedOptimizer(sgd, name="dist", device_dense="/gpu:0", device_sparse="/gpu:0",
                                compression=hvd.Compression.fp16, sparse_as_dense=True,
@@ -94,6 +109,25 @@ report["loaded"] = [type(loaded.optimizer).__name__, loaded.optimizer.compressio
                     int(keras.ops.convert_to_numpy(loaded.optimizer.iterations))]
 loaded.fit(x, y, batch_size=4, epochs=1, verbose=0)
 report["loaded_weights"] = [w.tolist() for w in loaded.get_weights()]
+
+# Per-rank variables: a PartialDistributedOptimizer's local layer, and local_variables= in the
+# broadcast callback, keep each rank's own values; the rest is averaged and copied from rank 0.
+keras.utils.set_random_seed(rank)                 # different starting weights per rank
+head = keras.layers.Dense(2, name="local_head")
+partial = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="shared"), head])
+partial.compile(optimizer=hvd.PartialDistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                          local_layers=[head]), loss="mse")
+head_start = [w.tolist() for w in head.get_weights()]
+partial.fit(x, y[:, :2], batch_size=4, epochs=1, verbose=0,
+            callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(
+                0, local_variables=head.weights)])
+report["partial_shared"] = [w.tolist() for w in partial.layers[0].get_weights()]
+report["partial_head_moved"] = head_start != [w.tolist() for w in head.get_weights()]
+report["partial_head"] = [w.tolist() for w in head.get_weights()]
+report["best_checkpoint"] = hvd.callbacks.BestModelCheckpoint(monitor="loss").filepath
+del model, loaded, history           # a model and its reloaded copy share a name
+hvd.broadcast_global_variables(1)    # every live model's variables: rank 1's values
+report["after_global_broadcast"] = [w.tolist() for w in head.get_weights()]
 
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as file:
     json.dump(report, file)
