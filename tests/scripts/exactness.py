@@ -1,0 +1,176 @@
+"""Test worker for tests/test_exactness_matrix.py: many small models in one job, each trained
+twice, so one process group per backend covers the whole matrix.
+
+    mgpu-train -np N exactness.py '<json list of case names>' OUT_DIR
+
+For every case, in order: every rank trains the case's model through a DistributedOptimizer on
+its own part of each global batch and writes ``<case>.rank<r>.npz``; and one rank (case index
+modulo the number of ranks, so the ranks share the work) trains the same model from the same
+weights with the plain optimizer on the whole global batch, in this process alone (no
+collective), and writes ``<case>.reference.npz``: the single-process result every rank must
+match. Each npz also holds ``iterations`` and ``learning_rate`` (the optimizer's, read after
+training) under those keys.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+
+import mgpu_launch as mgpu
+
+mgpu.init()
+import keras  # noqa: E402 - after init, as the README asks
+
+STEPS = 4          # updates per case
+GLOBAL_BATCH = 8   # samples per update, all ranks together
+
+
+# -- the models -------------------------------------------------------------------------------
+def mlp():
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.Dense(3, dtype="float32")])
+
+
+def embedding():
+    return keras.Sequential([keras.Input((5,), dtype="int32"), keras.layers.Embedding(20, 8),
+                             keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+
+
+def transformer():
+    tokens = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(20, 8)(tokens)
+    # No projection biases: the key's bias has a zero gradient in exact arithmetic (softmax
+    # ignores what it adds to every logit of a query), so its float gradient is rounding noise
+    # that Adam scales up to lr * noise / epsilon, and the noise follows the order of every sum.
+    attended = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4, use_bias=False)(h, h)
+    h = keras.layers.LayerNormalization()(keras.layers.Add()([h, attended]))
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    return keras.Model(tokens, keras.layers.Dense(3)(h))
+
+
+def lstm():
+    return keras.Sequential([keras.Input((5, 3)), keras.layers.LSTM(6), keras.layers.Dense(3)])
+
+
+def decaying():
+    # A different rate at every backward pass: the update uses the one at the pass it runs in.
+    return keras.optimizers.schedules.ExponentialDecay(0.02, decay_steps=1, decay_rate=0.8)
+
+
+#: name -> model, inputs, optimizer factory, options. passes: the DistributedOptimizer's
+#: backward_passes_per_step, the reference's gradient_accumulation_steps (Keras's own);
+#: policy: the dtype policy; loss_scale: wrap the optimizer in a LossScaleOptimizer.
+#: Synchronized BatchNorm (issue 25 item 3) adds its case here and in the test's CASES.
+CASES = {
+    "sgd_momentum": dict(model=mlp, inputs="dense",
+                         optimizer=lambda: keras.optimizers.SGD(0.1, momentum=0.9)),
+    "adam": dict(model=mlp, inputs="dense", optimizer=lambda: keras.optimizers.Adam(0.01)),
+    "adamw": dict(model=mlp, inputs="dense",
+                  optimizer=lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1)),
+    "clipnorm": dict(model=mlp, inputs="dense",
+                     optimizer=lambda: keras.optimizers.SGD(0.1, momentum=0.9, clipnorm=0.05)),
+    # Both clip (gradient norms here are 0.3 - 1): on the averaged gradient, as 1 process does.
+    "global_clipnorm": dict(model=mlp, inputs="dense", optimizer=lambda: keras.optimizers.SGD(
+        0.1, momentum=0.9, global_clipnorm=0.05)),
+    "embedding_adam": dict(model=embedding, inputs="tokens5",
+                           optimizer=lambda: keras.optimizers.Adam(0.01)),
+    "transformer_adamw": dict(model=transformer, inputs="tokens6",
+                              optimizer=lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05)),
+    "lstm": dict(model=lstm, inputs="sequence", optimizer=lambda: keras.optimizers.Adam(0.01)),
+    "accumulation": dict(model=mlp, inputs="dense", passes=2,
+                         optimizer=lambda passes=None: keras.optimizers.Adam(
+                             decaying(), gradient_accumulation_steps=passes)),
+    "mixed_float16": dict(model=mlp, inputs="dense", policy="mixed_float16", loss_scale=True,
+                          optimizer=lambda: keras.optimizers.Adam(0.01)),
+}
+
+
+def inputs(kind, samples, rng):
+    if kind == "dense":
+        x = rng.normal(size=(samples, 6))
+    elif kind == "sequence":
+        x = rng.normal(size=(samples, 5, 3))
+    else:  # tokens<length>: few distinct ids, so a batch repeats some (summed embedding rows)
+        return rng.integers(0, 20, size=(samples, int(kind[len("tokens"):]))).astype("int32")
+    return x.astype("float32")
+
+
+def initial_weights(model, rng):
+    """The same starting point in every process and on every backend (not the backend's RNG)."""
+    return [(1.0 if "gamma" in w.path else 0.0) + rng.normal(size=w.shape) * 0.3
+            for w in model.weights]
+
+
+# -- one case ---------------------------------------------------------------------------------
+def train(name, spec, distributed, out_path):
+    rank, size = mgpu.rank(), mgpu.size()
+    passes = spec.get("passes", 1)
+    keras.mixed_precision.set_global_policy(spec.get("policy", "float32"))
+    try:
+        rng = np.random.default_rng(sorted(CASES).index(name))
+        per_pass = GLOBAL_BATCH // passes  # samples per backward pass, all ranks together
+        x = inputs(spec["inputs"], STEPS * GLOBAL_BATCH, rng)
+        y = rng.integers(0, 3, size=len(x))
+        model = spec["model"]()
+        model.set_weights(initial_weights(model, rng))
+        # Accumulation: the reference's optimizer accumulates (Keras's own), ours does not.
+        accumulate = passes > 1 and not distributed
+        optimizer = spec["optimizer"](passes=passes) if accumulate else spec["optimizer"]()
+        if spec.get("loss_scale"):
+            optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+        batch = per_pass
+        if distributed:
+            optimizer = mgpu.DistributedOptimizer(optimizer, backward_passes_per_step=passes)
+            # Rank r's part of each pass's global batch: the samples 1 process x per_pass sees.
+            chunk = per_pass // size
+            take = np.concatenate([np.arange(start + rank * chunk, start + (rank + 1) * chunk)
+                                   for start in range(0, len(x), per_pass)])
+            x, y, batch = x[take], y[take], chunk
+        model.compile(optimizer=optimizer, auto_scale_loss=False,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+        np.savez(out_path, *model.get_weights(),
+                 iterations=keras.ops.convert_to_numpy(optimizer.iterations),
+                 learning_rate=keras.ops.convert_to_numpy(optimizer.learning_rate))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def raw_tf_variable(distributed, out_path):
+    """A tf.Variable given to apply_gradients (issue 25 item 4), rank r's gradient (r+1) g."""
+    import tensorflow as tf
+
+    variable = tf.Variable(np.linspace(-1.0, 1.0, 6, dtype="float32").reshape(2, 3))
+    gradient = np.arange(6, dtype="float32").reshape(2, 3)
+    if distributed:
+        optimizer = mgpu.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))
+        gradient = gradient * (mgpu.rank() + 1)
+    else:
+        optimizer = keras.optimizers.SGD(0.1, momentum=0.9)
+        gradient = gradient * (mgpu.size() + 1) / 2  # the average over the ranks
+    for _ in range(STEPS):
+        optimizer.apply_gradients([(tf.constant(gradient), variable)])
+    np.savez(out_path, variable.numpy(), iterations=optimizer.iterations.numpy(),
+             learning_rate=keras.ops.convert_to_numpy(optimizer.learning_rate))
+
+
+def main():
+    names, out_dir = json.loads(sys.argv[1]), sys.argv[2]
+    rank, size = mgpu.rank(), mgpu.size()
+    for index, name in enumerate(names):
+        for distributed in (True, False):
+            if not distributed and index % size != rank:
+                continue
+            out = os.path.join(out_dir, f"{name}.{f'rank{rank}' if distributed else 'reference'}")
+            if name == "raw_tf_variable":
+                raw_tf_variable(distributed, out)
+            else:
+                train(name, CASES[name], distributed, out)
+        print(f"rank {rank}: {name} done", flush=True)
+    mgpu.barrier()
+
+
+if __name__ == "__main__":
+    main()
