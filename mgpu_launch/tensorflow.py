@@ -28,12 +28,13 @@ allreduce / allgather followed by a slice (correct, more traffic); process sets 
 the global one, Adasum, the timeline, elastic and TF1 session hooks are not provided.
 """
 
-from mgpu_launch import _horovod, collectives, engines, keras_patches, runtime
+from mgpu_launch import _horovod, collectives, keras_patches, runtime
 from mgpu_launch._horovod import (Adasum, Average, Max, Min, Product, Sum, ccl_built, cuda_built,
                                   ddl_built, gloo_built, gloo_enabled, global_process_set,
                                   mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
                                   rocm_built)
 from mgpu_launch.compression import Compression
+from mgpu_launch.layers import SyncBatchNormalization
 from mgpu_launch.runtime import (cross_rank, cross_size, is_initialized, local_rank, local_size,
                                  rank, shutdown, size)
 from mgpu_launch.tensorflow_ops import (allgather, allreduce, alltoall, broadcast, broadcast_,
@@ -51,7 +52,9 @@ __getattr__ = _horovod.namespace_getattr(_NAME, {
             "the same number of batches",
     "LocalGradientAggregationHelper": "a Horovod internal; use DistributedGradientTape and "
                                       "accumulate gradients in your loop",
-    "SyncBatchNormalization": "use mgpu_launch.keras.SyncBatchNormalization (a Keras layer)",
+    "handle_average_backwards_compatibility": "a Horovod internal; pass op=hvd.Average or "
+                                              "op=hvd.Sum (average= is still accepted)",
+    "check_num_rank_power_of_2": "a Horovod internal for Adasum, which is not implemented",
 })
 _homogeneous = None
 
@@ -193,6 +196,7 @@ __all__ = [
     "allgather", "grouped_allgather", "broadcast", "broadcast_", "reducescatter",
     "grouped_reducescatter", "alltoall", "broadcast_variables", "broadcast_object",
     "allgather_object", "DistributedGradientTape", "PartialDistributedGradientTape",
-    "DistributedOptimizer", "Compression", "Average", "Sum", "Min", "Max", "Product", "Adasum",
+    "DistributedOptimizer", "SyncBatchNormalization", "Compression", "Average", "Sum", "Min",
+    "Max", "Product", "Adasum",
     "global_process_set", *_horovod.QUERIES,
 ]

@@ -96,7 +96,7 @@ loss_fn = keras.losses.MeanSquaredError()
 
 
 @tf.function
-def train_step(x, y):
+def train_step(x, y, first_batch):
     with tf.GradientTape() as tape:
         out = model(x, training=True)
         loss = loss_fn(y, out) + tf.reduce_mean(local_head(tf.stop_gradient(out))) * 1e-3
@@ -104,6 +104,9 @@ def train_step(x, y):
     variables = model.trainable_variables + local_head.trainable_variables
     grads = tape.gradient(loss, variables)
     opt.apply_gradients(zip(grads, variables))
+    if first_batch:  # Horovod's TF2 examples: rank 0's state everywhere after the first update
+        hvd.broadcast_variables(model.variables, root_rank=0)
+        hvd.broadcast_variables(opt.variables(), root_rank=0)   # Keras 2's call form
     return loss
 
 
@@ -116,7 +119,8 @@ def reference_step(x, y):
 
 
 for step in range(4):
-    train_step(data[step, rank * 6:(rank + 1) * 6], target[step, rank * 6:(rank + 1) * 6])
+    train_step(data[step, rank * 6:(rank + 1) * 6], target[step, rank * 6:(rank + 1) * 6],
+               step == 0)
     reference_step(data[step], target[step])
 report["tape_max_diff"] = max(float(np.max(np.abs(a - b) / (np.abs(b) + 1e-6)))
                               for a, b in zip(model.get_weights(), reference.get_weights()))
