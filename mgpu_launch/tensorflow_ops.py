@@ -15,7 +15,7 @@ from keras import ops
 
 from mgpu_launch import _horovod, engines, runtime
 from mgpu_launch._horovod import global_process_set
-from mgpu_launch.collectives import Average, Max, Min, Product, Sum
+from mgpu_launch.collectives import Average, Max, Min, Product
 from mgpu_launch.compression import Compression
 
 _NAME = "mgpu_launch.tensorflow"
