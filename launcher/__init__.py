@@ -6,6 +6,8 @@ Modules:
     devices       visible GPUs; pinning one per worker
     mpirun        finding mpirun, its MPI flavour, building its argument list
     supervisor    running mpirun, relaying rank-tagged output, failure summary, signals
+    elastic       --host-discovery-script: the loop that restarts the job as hosts change
+    discovery     running and checking the discovery script; the host blacklist
     worker        running the user's program in-process as one rank
     envreport     ``mgpu-train --env``
 
@@ -26,6 +28,9 @@ In standalone mode with restarts (``mgpu-train -np N --max-restarts M``, M > 0) 
                                      (``--max-restarts``)
     MGPU_PROGRESS_MARKER             1: rank 0 prints worker.PROGRESS_MARKER after its first
                                      training step, so a failure after it is worth a restart
+
+In elastic mode (``--host-discovery-script``; mgpu_launcher.elastic) also MGPU_ELASTIC=1: the
+worker notes SIGUSR1 (mgpu-train asking for a stop at the next backup point, to resize).
 
 In standalone mode, mpirun also forwards PATH, LD_LIBRARY_PATH, PYTHONPATH, KERAS_BACKEND,
 KERAS_HOME, VIRTUAL_ENV, every MGPU_*, NCCL_*, XLA_*, TF_*, JAX_*, CUDA_*, OMP_* variable that

@@ -4,7 +4,8 @@ Two modes, chosen by ``-np``:
 
 * **standalone** (``mgpu-train -np 4 train.py``): start the job through mpirun, which runs
   ``python -m mgpu_launcher train.py`` on every rank, and supervise it (mgpu_launcher.supervisor),
-  starting it again after a failure with ``--max-restarts N`` (:func:`run_with_restarts`);
+  starting it again after a failure with ``--max-restarts N`` (:func:`run_with_restarts`), or
+  with ``--host-discovery-script`` on the hosts discovery lists (mgpu_launcher.elastic);
 * **worker** (no ``-np``: ``mpirun -np 4 mgpu-train train.py``, ``srun mgpu-train train.py``, or
   plainly ``mgpu-train train.py`` for one process): run the program in this process
   (mgpu_launcher.worker).
@@ -21,7 +22,8 @@ import shlex
 import sys
 from typing import List, Optional, Sequence, Tuple
 
-from mgpu_launcher import __version__, devices, environments, mpirun, supervisor, worker
+from mgpu_launcher import (__version__, devices, elastic, environments, mpirun, supervisor,
+                           worker)
 
 PROG = "mgpu-train"
 
@@ -66,6 +68,7 @@ class Config:
     dry_run: bool = False
     env_report: bool = False
     max_restarts: int = 0
+    elastic_options: Optional[elastic.Options] = None  # --host-discovery-script given
 
 
 def get_parser() -> argparse.ArgumentParser:
@@ -99,6 +102,7 @@ def get_parser() -> argparse.ArgumentParser:
                      help="after a failure, tear the job down and start it again, up to N times "
                           "(default: $MGPU_MAX_RESTARTS, else 0). A job that fails before its "
                           "first training step is done is not restarted.")
+    elastic.add_arguments(parser)
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="do not pin GPU local_rank to each process")
     parser.add_argument("--env", dest="env_report", action="store_true",
@@ -239,7 +243,11 @@ def parse_args(argv: Sequence[str]) -> Config:
                        "-x": options.forward, "--output-dir": options.output_dir,
                        "--all-ranks-output": options.all_ranks_output,
                        "--dry-run": options.dry_run,
-                       "--max-restarts": options.max_restarts is not None}
+                       "--max-restarts": options.max_restarts is not None,
+                       "--host-discovery-script": options.host_discovery_script,
+                       "--min-np": options.min_np, "--max-np": options.max_np,
+                       "--elastic-timeout": options.elastic_timeout,
+                       "--blacklist-cooldown": options.blacklist_cooldown}
     given = [flag for flag, value in standalone_only.items() if value]
     if np is None and given:
         raise UsageError(f"{', '.join(given)} only apply when mgpu-train starts the job: add "
@@ -254,13 +262,26 @@ def parse_args(argv: Sequence[str]) -> Config:
             raise UsageError(f"-x {item!r}: expected an environment variable NAME or "
                              f"NAME=VALUE, e.g. -x NCCL_DEBUG=INFO")
     _check_keras_backend(options.forward)
+    grow = None
+    if np is not None:
+        try:
+            grow = elastic.options_from(np, options.min_np, options.max_np,
+                                        options.host_discovery_script, options.elastic_timeout,
+                                        options.blacklist_cooldown)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+    if grow and (options.hosts or options.hostfile):
+        raise UsageError("--host-discovery-script lists the hosts: leave out --hosts and "
+                         "--hostfile")
+    if grow and options.max_restarts is None and not os.environ.get("MGPU_MAX_RESTARTS"):
+        max_restarts = elastic.DEFAULT_MAX_RESTARTS
     return Config(kind=kind, target=target, args=tuple(args), np=np, hosts=options.hosts,
                   hostfile=options.hostfile, mpirun=options.mpirun,
                   mpirun_args=tuple(shlex.split(options.mpirun_args)),
                   forward=tuple(options.forward), output_dir=options.output_dir,
                   all_ranks_output=options.all_ranks_output, pin=options.pin,
                   dry_run=options.dry_run, env_report=options.env_report,
-                  max_restarts=max_restarts)
+                  max_restarts=max_restarts, elastic_options=grow)
 
 
 def worker_command(config: Config) -> List[str]:
@@ -314,6 +335,14 @@ def run(config: Config) -> int:
         return 0
     if config.np is None:
         return worker.run(config.kind, config.target, config.args, pin=config.pin)
+    if config.elastic_options is not None:
+        return elastic.run_job(
+            config.elastic_options,
+            lambda np, hosts: build_job(dataclasses.replace(
+                config, np=np, hosts=hosts, forward=config.forward + ("MGPU_ELASTIC=1",))),
+            all_ranks=config.all_ranks_output, output_dir=config.output_dir,
+            merge_window=merge_window(), max_restarts=config.max_restarts,
+            dry_run=config.dry_run)
     command, flavour, env = build_job(config)
     if config.dry_run:
         print(shlex.join(command))

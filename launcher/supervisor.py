@@ -22,11 +22,11 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Deque, Dict, List, Optional, Sequence, TextIO, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Sequence, TextIO, Tuple
 
 from mgpu_launcher import merge
 from mgpu_launcher.mpirun import Flavour
-from mgpu_launcher.worker import FAILURE_MARKER, PROGRESS_MARKER, STALL_MARKER
+from mgpu_launcher.worker import FAILURE_MARKER, PROGRESS_MARKER, RESIZE_MARKER, STALL_MARKER
 
 TAIL_LINES = 20
 GRACE_SECONDS = 5.0
@@ -65,6 +65,7 @@ class Outcome:
     progressed: bool = False  # a rank finished a training step (worker.PROGRESS_MARKER)
     cause: Optional[Failure] = None  # the root cause of a failure, when known
     leftovers: Tuple[int, ...] = ()  # processes of the job still alive after the teardown
+    resized: Optional[str] = None  # where an elastic job stopped to resize (RESIZE_MARKER)
 
 
 class OutputRelay:
@@ -84,6 +85,7 @@ class OutputRelay:
         self.mpirun_lines: List[str] = []
         self.first_failure: Optional[Failure] = None
         self.progressed = False
+        self.resized: Optional[str] = None
         self.logs: Dict[int, TextIO] = {}
         self.lock = threading.Lock()
         if output_dir:
@@ -112,6 +114,9 @@ class OutputRelay:
                 if marked.startswith(PROGRESS_MARKER):
                     self.progressed = True
                     return  # for the supervisor only
+                if marked.startswith(RESIZE_MARKER):
+                    self.resized = marked[len(RESIZE_MARKER):].strip()
+                    return  # the elastic loop reports it
                 if not _START_UP_NOISE.match(marked):
                     self.tails[rank].append(marked)
                 if self.first_failure is None:
@@ -201,7 +206,7 @@ def _from_marker(text: str) -> str:
     Seen in CI (1 in 20 raised faults): the rank's MPI_Abort banner and the marker shared a
     pipe, and the marker line came through with an undecodable byte in front of it.
     """
-    for marker in (FAILURE_MARKER, STALL_MARKER, PROGRESS_MARKER):
+    for marker in (FAILURE_MARKER, STALL_MARKER, PROGRESS_MARKER, RESIZE_MARKER):
         at = text.find(marker)
         if at > 0:
             return text[at:]
@@ -269,7 +274,9 @@ def supervise(command: Sequence[str], flavour: Flavour, *, all_ranks: bool = Fal
               output_dir: Optional[str] = None, env: Optional[Dict[str, str]] = None,
               stdout: Optional[TextIO] = None, stderr: Optional[TextIO] = None,
               attempt: Optional[Tuple[int, int]] = None, size: Optional[int] = None,
-              merge_window: Optional[float] = None) -> Outcome:
+              merge_window: Optional[float] = None,
+              on_start: Optional[Callable[[subprocess.Popen, "OutputRelay"], None]] = None
+              ) -> Outcome:
     """Run `command` (an mpirun argument list) to its end and tear the job down completely.
 
     Args:
@@ -283,6 +290,8 @@ def supervise(command: Sequence[str], flavour: Flavour, *, all_ranks: bool = Fal
         size: the job's number of ranks (merged lines go out once every rank printed them).
         merge_window: seconds a stderr line waits for the same line from other ranks (0: no
             merging; default ``merge.DEFAULT_WINDOW``). Ignored with `all_ranks`.
+        on_start: called with mpirun's Popen and the output relay once mpirun runs (the
+            elastic loop signals the job through them).
 
     Returns:
         An :class:`Outcome`: its status is mpirun's exit status, 128+N when mgpu-train itself
@@ -298,6 +307,8 @@ def supervise(command: Sequence[str], flavour: Flavour, *, all_ranks: bool = Fal
              for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
     for pump in pumps:
         pump.start()
+    if on_start is not None:
+        on_start(proc, relay)
     finished = threading.Event()
 
     def ticker():
@@ -339,7 +350,7 @@ def supervise(command: Sequence[str], flavour: Flavour, *, all_ranks: bool = Fal
         print(f"mgpu-train: warning: processes of the job still alive after SIGKILL: "
               f"{', '.join(map(str, leftovers))}", file=stderr, flush=True)
     outcome = Outcome(status, progressed=relay.progressed, cause=relay.root_cause(),
-                      leftovers=leftovers)
+                      leftovers=leftovers, resized=relay.resized)
     if stopped_by:
         outcome.status, outcome.stopped_by = 128 + stopped_by[0], stopped_by[0]
     elif status != 0:

@@ -9,6 +9,7 @@ job so that no other rank stays blocked in a collective.
 
 import os
 import runpy
+import signal
 import sys
 from typing import Optional, Sequence
 
@@ -21,6 +22,19 @@ STALL_MARKER = "mgpu-train: job stalled:"
 #: Printed once (rank 0, stderr) when the first training step is done and ``MGPU_PROGRESS_MARKER``
 #: is set: the supervisor then knows a failure of this attempt is worth a restart.
 PROGRESS_MARKER = "mgpu-train: first step done"
+#: Printed once (rank 0, stderr) when an elastic job stops at a backup point because mgpu-train
+#: asked it to (to restart with another size), followed by where it stopped.
+RESIZE_MARKER = "mgpu-train: stopped for a resize:"
+#: Set to "1" by mgpu-train's elastic mode in every rank.
+ELASTIC_VARIABLE = "MGPU_ELASTIC"
+#: What elastic mgpu-train sends mpirun (which forwards it to every rank) to ask for that stop.
+RESIZE_SIGNAL = signal.SIGUSR1
+_resize_requested = []
+
+
+def resize_requested() -> bool:
+    """Whether mgpu-train asked this rank (:data:`RESIZE_SIGNAL`) to stop at a backup point."""
+    return bool(_resize_requested)
 
 
 def export_placement(placement: environments.Placement, environ=os.environ) -> None:
@@ -110,6 +124,8 @@ def run(kind: str, target: str, args: Sequence[str], pin: bool = True,
     """
     placement = placement or environments.detect()
     export_placement(placement)
+    if os.environ.get(ELASTIC_VARIABLE) == "1":  # noted, acted on by BackupAndRestore
+        signal.signal(RESIZE_SIGNAL, lambda *_: _resize_requested.append(True))
     if pin:
         devices.pin_gpu(placement.local_rank, placement.local_size, os.environ)
     try:

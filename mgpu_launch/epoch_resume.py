@@ -91,8 +91,10 @@ def resume_point(epochs: int, batches: int, saved: dict, size: int, steps):
             f"backed up by {_processes(old_size)} after {saved['position']} "
             f"{saved.get('unit', 'unit')}s of the epoch's order; now {_processes(size)}")
         return epochs, skip, note
-    if old_size == size or not batches:
+    if old_size == size:
         return epochs, batches, ""
+    if not batches:
+        return epochs, 0, f"backed up by {_processes(old_size)}; now {_processes(size)}"
     old_steps = saved.get("steps")
     skip = batches * steps // old_steps if steps and old_steps else batches
     warnings.warn(f"BackupAndRestore: the backup was written by {old_size} processes, this job "

@@ -49,3 +49,30 @@ def used_samples(out, epoch: int) -> List[int]:
 def sizes(out) -> List[int]:
     """The number of processes of each attempt, in order."""
     return [ranks[0]["size"] for _, ranks in attempts(out).items()]
+
+
+def steps_done(out, attempt: int) -> int:
+    """Steps rank 0 of `attempt` has logged so far (0 before its log exists)."""
+    try:
+        log = json.loads((pathlib.Path(out) / f"attempt.{attempt}.rank.0.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    return len(log["trained"])
+
+
+def wait_for_steps(out, attempt: int, count: int, proc, timeout: float = 240) -> None:
+    """Wait until `attempt` logged `count` steps; fails when `proc` (mgpu-train) ended first."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while steps_done(out, attempt) < count:
+        if proc.poll() is not None:
+            raise AssertionError(f"mgpu-train ended (status {proc.returncode}) before attempt "
+                                 f"{attempt} logged {count} steps:\n{proc.communicate()}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"attempt {attempt} did not log {count} steps in {timeout} s")
+        time.sleep(0.2)
+
+
+def pid_of(out, attempt: int, rank: int) -> int:
+    return int((pathlib.Path(out) / f"pid.{attempt}.{rank}").read_text())

@@ -7,6 +7,7 @@ ids of the samples every step trained on, and elastickit counts those that survi
 
 import collections
 import os
+import re
 
 import pytest
 
@@ -18,11 +19,11 @@ SAMPLES = 64
 ENV = {"KERAS_BACKEND": "tensorflow", "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
-def _once_each(used, dropped_below):
-    """Every id at most once, and all but fewer than `dropped_below` of the 64 used."""
+def _once_each(used, dropped_below, samples=SAMPLES):
+    """Every id at most once, and all but fewer than `dropped_below` of the samples used."""
     twice = [i for i, n in collections.Counter(used).items() if n > 1]
     assert not twice, f"samples used twice: {twice}"
-    assert SAMPLES - dropped_below < len(used) <= SAMPLES, sorted(used)
+    assert samples - dropped_below < len(used) <= samples, sorted(used)
 
 
 @requires_mpirun
@@ -58,3 +59,195 @@ def test_a_job_resumed_with_another_size_uses_every_sample_of_the_epoch_once(
         assert sorted(elastickit.used_samples(out, epoch)) == list(range(SAMPLES))
     final = elastickit.attempts(out)[1]
     assert [log["learning_rate"] for log in final] == pytest.approx([0.1 * after / before] * after)
+
+
+# -- mgpu-train's elastic mode ---------------------------------------------------------------
+import signal  # noqa: E402
+import stat  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+from conftest import ROOT, job_env  # noqa: E402
+from mgpu_launcher import cli, discovery  # noqa: E402
+
+
+def _script(path, body):
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+@pytest.mark.parametrize("argv, with_script, message", [
+    (["-np", "2", "--min-np", "3", "--max-np", "2"], True,
+     "--min-np 3 is more than --max-np 2: expected min <= max"),
+    (["-np", "5", "--min-np", "2", "--max-np", "4"], True,
+     "-np 5 is outside [--min-np 2, --max-np 4]: give an -np between them"),
+    (["-np", "2", "--min-np", "zero"], True, "--min-np 'zero': expected a number >= 1"),
+    (["-np", "2", "--elastic-timeout", "-1"], True, "--elastic-timeout '-1': expected a number"),
+    (["-np", "2", "--min-np", "2"], False, "--min-np only apply with --host-discovery-script"),
+    (["-np", "2", "-H", "a:2"], True, "leave out --hosts and --hostfile"),
+    (["--min-np", "2"], False, "--min-np only apply when mgpu-train starts the job: add -np N"),
+])
+def test_bad_elastic_combinations_are_usage_errors(tmp_path, capsys, argv, with_script,
+                                                   message):
+    if with_script:
+        argv = argv + ["--host-discovery-script", _script(tmp_path / "d.sh", "echo a:2")]
+    assert cli.main([*argv, "-c", "pass"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_missing_or_plain_file_discovery_script_is_a_usage_error(tmp_path, capsys):
+    plain = tmp_path / "hosts.txt"
+    plain.write_text("localhost:2\n")
+    assert cli.main(["-np", "2", "--host-discovery-script", str(tmp_path / "no.sh"),
+                     "-c", "pass"]) == 2
+    assert "no.sh': no such file" in capsys.readouterr().err
+    assert cli.main(["-np", "2", "--host-discovery-script", str(plain), "-c", "pass"]) == 2
+    assert f"is not executable: chmod +x {plain}" in capsys.readouterr().err
+
+
+def test_the_environment_gives_the_elastic_options(tmp_path, monkeypatch):
+    script = _script(tmp_path / "discover.sh", "echo localhost:2")
+    monkeypatch.setenv("MGPU_HOST_DISCOVERY_SCRIPT", script)
+    monkeypatch.setenv("MGPU_MIN_NP", "1")
+    monkeypatch.setenv("MGPU_MAX_NP", "3")
+    options = cli.parse_args(["-np", "2", "-c", "pass"]).elastic_options
+    assert (options.script, options.min_np, options.max_np) == (script, 1, 3)
+    # under mpirun/srun (worker mode) the variables reach every rank and are not for it
+    assert cli.parse_args(["-c", "pass"]).elastic_options is None
+
+
+def test_discovery_output_is_checked_line_by_line(tmp_path):
+    hosts = discovery.discover(_script(tmp_path / "d.sh", "printf '%s\\n' 'node1:2' "
+                                       "'# a comment' '' 'node2' 'bad host:x' 'node3:0' "
+                                       "'node1:4' 'node4:two'"))
+    assert hosts.slots == (("node1", 2), ("node2", 1))
+    assert hosts.total == 3
+    assert [p.split(", ", 1)[1] for p in hosts.problems] == [
+        "line 5: 'bad host:x' skipped: expected HOST:SLOTS, e.g. node1:4",
+        "line 7: node1 listed again; its first line counts",
+        "line 8: 'node4:two' skipped: expected HOST:SLOTS, e.g. node1:4"]
+
+
+@pytest.mark.parametrize("body, message", [
+    ("echo oops >&2; exit 3", "exited with status 3: oops"),
+    ("echo 'not a host list'", "listed no host with a slot"),
+    ("sleep 5", "did not finish in 0.5 s"),
+])
+def test_a_failing_discovery_script_is_an_error_not_a_crash(tmp_path, body, message):
+    with pytest.raises(discovery.DiscoveryError, match=message):
+        discovery.discover(_script(tmp_path / "d.sh", body), timeout=0.5)
+
+
+def test_a_blacklisted_host_cools_down_longer_after_each_failure():
+    now = [100.0]
+    blacklist = discovery.Blacklist(10, clock=lambda: now[0])
+    assert blacklist.add("node2") == 10 and blacklist.blocked() == ["node2"]
+    now[0] += 10.5
+    assert blacklist.blocked() == []
+    assert blacklist.add("node2") == 20
+    now[0] += 19
+    assert blacklist.blocked() == ["node2"]
+    assert discovery.place(discovery.parse("node1:2\nnode2:2\n"), 3) == (3, "node1:2,node2:1")
+    assert discovery.host_of_rank("node1:2,node2:1", 2) == "node2"
+
+
+def _elastic(tmp_path, hosts_file, *argv, samples=64):
+    script = _script(tmp_path / "discover.sh", f"cat {hosts_file}")
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mgpu_launcher", *argv, "--host-discovery-script", script,
+         RESIZE, str(tmp_path / "backup"), str(out)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=job_env(MGPU_DISCOVERY_INTERVAL="0.5", RESIZE_STEP_SECONDS="0.5",
+                    RESIZE_SAMPLES=str(samples), **ENV))
+    return proc, out
+
+
+def _finish(proc, timeout=300):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        raise AssertionError(f"mgpu-train did not finish in {timeout} s:\n{err}")
+    return out, err
+
+
+# Two "hosts" that are both this machine: Open MPI places ranks 0-1 on localhost and 2-3 on
+# 127.0.0.1 (-H localhost:2,127.0.0.1:2), so killing ranks 2 and 3 and dropping 127.0.0.1 from
+# discovery is losing the second host. tests/test_cluster.py does it with two real nodes.
+@requires_mpirun
+def test_an_elastic_job_goes_on_without_a_lost_host_and_grows_back(tmp_path):
+    pytest.importorskip("tensorflow")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n127.0.0.1:2\n")
+    proc, out = _elastic(tmp_path, hosts, "-np", "4", "--min-np", "2", "--max-np", "4",
+                         "--blacklist-cooldown", "2", samples=128)
+    try:
+        # 8 steps an epoch at 4 processes; step 13 is batch 5 of epoch 2, after the backup
+        # that followed batch 3 (sample 48 of the epoch's order)
+        elastickit.wait_for_steps(out, 0, 13, proc)
+        for rank in (2, 3):
+            os.kill(elastickit.pid_of(out, 0, rank), signal.SIGKILL)
+        time.sleep(1)
+        hosts.write_text("localhost:2\n")
+        elastickit.wait_for_steps(out, 1, 2, proc)
+        hosts.write_text("localhost:2\n127.0.0.1:2\n")
+        stdout, stderr = _finish(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, f"{stdout}\n{stderr}"
+    assert elastickit.sizes(out) == [4, 2, 4], stderr
+    lines = [line for line in stderr.splitlines() if line.startswith("mgpu-train: elastic:")]
+    assert lines[0] == ("mgpu-train: elastic: starting 4 processes on localhost:2,127.0.0.1:2 "
+                        "(--min-np 2, --max-np 4)")
+    assert any(re.fullmatch(r"mgpu-train: elastic: 127\.0\.0\.1 failed: rank [23] killed by "
+                            r"signal 9 \(SIGKILL\); 127\.0\.0\.1 is blacklisted for 2 s "
+                            r"\(--blacklist-cooldown\)", line) for line in lines), stderr
+    assert any(line.startswith("mgpu-train: elastic: restarting with 2 processes on "
+                               "localhost:2 (was 4 on localhost:2,127.0.0.1:2): 127.0.0.1 "
+                               "failed") for line in lines), stderr
+    assert ("mgpu-train: elastic: 127.0.0.1 (2 slots) came; restart with 4 processes (now 2): "
+            "asking the job to stop at its next backup point") in lines, stderr
+    assert any(line.startswith("mgpu-train: elastic: restarting with 4 processes on "
+                               "localhost:2,127.0.0.1:2 (was 2 on localhost:2): the job "
+                               "stopped at its backup after ") for line in lines), stderr
+    assert ("resuming at epoch 2, batch 7 from " in stdout
+            and "(backed up by 4 processes after 48 samples of the epoch's order; now 2 "
+                "processes, learning rate 0.1 -> 0.05)" in stdout), stdout
+    assert "now 4 processes, learning rate 0.05 -> 0.1)" in stdout, stdout
+    # every epoch, also those the kill and the grow cut: each sample once, but for a remainder
+    # smaller than one step of 4 processes (when the grow came mid-epoch)
+    for epoch in range(3):
+        _once_each(elastickit.used_samples(out, epoch), dropped_below=16, samples=128)
+
+
+@requires_mpirun
+def test_fewer_slots_than_min_np_stop_the_job_cleanly(tmp_path):
+    pytest.importorskip("tensorflow")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:1\n127.0.0.1:1\n")
+    proc, out = _elastic(tmp_path, hosts, "-np", "2", "--min-np", "2",
+                         "--elastic-timeout", "3", "--blacklist-cooldown", "60")
+    try:
+        elastickit.wait_for_steps(out, 0, 5, proc)
+        hosts.write_text("localhost:1\n")
+        os.kill(elastickit.pid_of(out, 0, 1), signal.SIGKILL)
+        stdout, stderr = _finish(proc, timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 137, f"{stdout}\n{stderr}"
+    assert ("mgpu-train: elastic: stopping: 1 slots available (localhost:1; blacklisted: "
+            "127.0.0.1), fewer than --min-np 2, for 3 s (--elastic-timeout). No process of the "
+            "job is left") in stderr, stderr
+    assert elastickit.sizes(out) == [2]
+    # 8 steps an epoch; killed after step 5, the backup after step 3 is intact
+    assert os.listdir(tmp_path / "backup") == ["epoch-0-batch-3.weights.h5"]
+    for rank in (0, 1):
+        pid = elastickit.pid_of(out, 0, rank)
+        assert not os.path.exists(f"/proc/{pid}"), f"rank {rank} (pid {pid}) is still alive"

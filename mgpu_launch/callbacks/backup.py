@@ -12,7 +12,7 @@ from typing import List, Tuple, Union
 
 import keras
 
-from mgpu_launch import collectives, engines, epoch_resume, keras_patches, runtime
+from mgpu_launch import collectives, engines, epoch_resume, keras_patches, resize, runtime
 from mgpu_launch.callbacks.io import _is_chief, read_attributes, save_atomically
 from mgpu_launch.callbacks.schedule import lr_target
 from mgpu_launch.callbacks.sync import model_state_variables
@@ -161,7 +161,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             epochs, batches, saved, size, (self.params or {}).get("steps"))
         old_size = int(saved.get("size") or size)
         if old_size != size and self.rescale_lr:
-            note += self._rescale_learning_rate(size / old_size)
+            note = ", ".join(filter(None, (note, self._rescale_learning_rate(size / old_size))))
         note = f" ({note})" if note else ""
         model._initial_epoch, self._resumed_batches = epochs, batches
         keras_patches.resume_at(epochs, batches)
@@ -179,7 +179,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             return ""  # a schedule: built again by the script, for this size
         old = float(keras.ops.convert_to_numpy(target.learning_rate))
         target.learning_rate = old * factor
-        return f", learning rate {old:g} -> {old * factor:g}"
+        return f"learning rate {old:g} -> {old * factor:g}"
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -194,10 +194,13 @@ class BackupAndRestore(keras.callbacks.Callback):
             return  # the epoch's end saves its last batch, after the epoch's other callbacks
         self._batches_since_save = 0
         self._save((self._epoch, done))
+        resize.stop_here_if_asked(f"backup after batch {done} of epoch {self._epoch + 1}")
 
     def on_epoch_end(self, epoch, logs=None):
         self._batches_since_save = 0
         self._save((epoch + 1, 0))
+        if epoch + 1 < (self.params or {}).get("epochs", 0):  # after the last: just finish
+            resize.stop_here_if_asked(f"backup after epoch {epoch + 1}")
 
     def _save(self, position: Tuple[int, int]) -> None:
         if not _is_chief():

@@ -2,14 +2,14 @@
 
     mgpu-train -np N resize_ids.py BACKUP_DIR OUT_DIR [KILL_EPOCH KILL_BATCH]
 
-64 samples, mgpu.data.shard(batch_size=4, shuffle=True), 3 epochs, BackupAndRestore every 3
+64 samples (RESIZE_SAMPLES), mgpu.data.shard(batch_size=4, shuffle=True), 3 epochs, BackupAndRestore every 3
 batches. With KILL_EPOCH KILL_BATCH (0-based), the last rank SIGKILLs itself at the end of that
 batch, in the first attempt only (MGPU_RESTART_COUNT 0 or unset). With RESIZE_STEP_SECONDS, every
 step sleeps that long (an elastic test's job lasts while hosts come and go). Each rank writes
 OUT_DIR/attempt.A.rank.R.json as it trains: the size, the backup it resumed from (file names
 in BACKUP_DIR when training began), and for every trained step its epoch,
 batch and the ids of the samples it trained on; at the end also the optimizer's step count and
-learning rate, and the final weights (attempt.A.rank.R.npz).
+learning rate, and the final weights (attempt.A.rank.R.npz); and its pid in OUT_DIR/pid.A.R.
 """
 
 import json
@@ -32,8 +32,9 @@ attempt = os.environ.get("RESIZE_ATTEMPT") or os.environ.get("MGPU_RESTART_COUNT
 kill = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 4 and attempt == "0" else None
 pause = float(os.environ.get("RESIZE_STEP_SECONDS", "0"))
 rng = np.random.default_rng(7)  # the same data on every rank: shard() splits it
-x = rng.normal(size=(64, 5)).astype("float32")
-y = rng.integers(0, 3, size=64)
+samples = int(os.environ.get("RESIZE_SAMPLES", "64"))
+x = rng.normal(size=(samples, 5)).astype("float32")
+y = rng.integers(0, 3, size=samples)
 id_of = {row.tobytes(): i for i, row in enumerate(x)}
 model = tiny_model.compiled(keras, mgpu)
 train = mgpu.data.shard((x, y), batch_size=4, shuffle=True, seed=3)
@@ -49,6 +50,8 @@ class Recorded(type(train)):
 
 train.__class__ = Recorded
 path = os.path.join(out, f"attempt.{attempt}.rank.{mgpu.rank()}")
+with open(os.path.join(out, f"pid.{attempt}.{mgpu.rank()}"), "w") as f:
+    f.write(str(os.getpid()))
 log = {"size": mgpu.size(), "trained": []}
 
 
@@ -59,7 +62,7 @@ def write():
 
 
 class Trace(keras.callbacks.Callback):
-    def on_train_begin(self, logs=None):  # after BackupAndRestore's: the backup it resumed
+    def on_train_begin(self, logs=None):  # the backup BackupAndRestore resumes from
         found = os.listdir(backup_dir) if os.path.isdir(backup_dir) else []
         log["resumed_from"] = sorted(n for n in found if not n.startswith("."))
         write()
@@ -76,7 +79,8 @@ class Trace(keras.callbacks.Callback):
 
 
 model.fit(train, epochs=3, verbose=0,
-          callbacks=[mgpu.callbacks.BackupAndRestore(backup_dir, save_freq=3), Trace()])
+          # Trace first: it logs a step before a backup point can end the program (a resize)
+          callbacks=[Trace(), mgpu.callbacks.BackupAndRestore(backup_dir, save_freq=3)])
 log["iterations"] = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
 log["learning_rate"] = float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
 np.savez(path + ".npz", *model.get_weights())

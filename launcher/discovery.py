@@ -1,0 +1,154 @@
+"""Which hosts an elastic job may use now: a discovery script, and a blacklist with a cool-down.
+
+The script is Horovod's (``horovodrun --host-discovery-script``): an executable that prints
+the hosts available right now, one ``HOST:SLOTS`` per line (``HOST`` alone: one slot), and exits
+0. mgpu-train runs it before every start of the job and every few seconds while it runs. What
+it prints is checked here and nowhere else: a line that does not parse is skipped with a
+warning naming it, a script that fails, hangs or prints nothing usable is a
+:class:`DiscoveryError` with the reason; nothing it prints can crash the launcher.
+
+A host on which a rank failed is blacklisted for a cool-down (``--blacklist-cooldown``,
+doubling with each further failure of that host, at most 16 times), as Horovod does; after it,
+the host is used again if discovery still lists it.
+"""
+
+import dataclasses
+import re
+import subprocess
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+#: seconds the script may run before it counts as failed
+SCRIPT_TIMEOUT_S = 30.0
+_LINE = re.compile(r"^([A-Za-z0-9_.\-]+)(?::(\d+))?$")
+_MAX_BACKOFF = 16
+
+
+class DiscoveryError(RuntimeError):
+    """The discovery script failed or listed no usable host; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Hosts:
+    """What one run of the discovery script found, in its order."""
+
+    slots: Tuple[Tuple[str, int], ...]
+    problems: Tuple[str, ...] = ()  # lines skipped, each with the reason
+
+    @property
+    def total(self) -> int:
+        return sum(count for _, count in self.slots)
+
+    def names(self) -> List[str]:
+        return [host for host, _ in self.slots]
+
+    def without(self, excluded: Sequence[str]) -> "Hosts":
+        return Hosts(tuple((h, n) for h, n in self.slots if h not in excluded), self.problems)
+
+
+def parse(text: str, source: str = "the discovery script") -> Hosts:
+    """Read ``HOST[:SLOTS]`` lines; blank lines and ``#`` comments are ignored.
+
+    Returns:
+        The hosts with at least one slot, in order (a host listed twice: its first line), and
+        a description of every line that was skipped.
+    """
+    slots: Dict[str, int] = {}
+    problems = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        match = _LINE.match(line)
+        if match is None:
+            problems.append(f"{source}, line {number}: {line[:80]!r} skipped: expected "
+                            f"HOST:SLOTS, e.g. node1:4")
+            continue
+        host, count = match.group(1), int(match.group(2) or 1)
+        if host in slots:
+            problems.append(f"{source}, line {number}: {host} listed again; its first line "
+                            f"counts")
+        elif count > 0:
+            slots[host] = count
+    return Hosts(tuple(slots.items()), tuple(problems))
+
+
+def discover(script: str, timeout: float = SCRIPT_TIMEOUT_S) -> Hosts:
+    """Run `script` and parse its output.
+
+    Raises:
+        DiscoveryError: it could not be started, ran past `timeout`, exited non-zero, or
+            listed no host with a slot.
+    """
+    try:
+        done = subprocess.run([script], capture_output=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise DiscoveryError(f"{script} did not finish in {timeout:g} s") from None
+    except OSError as error:
+        raise DiscoveryError(f"{script} cannot be run: {error.strerror}") from None
+    text = done.stdout.decode("utf-8", "replace")
+    if done.returncode != 0:
+        last = done.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
+        raise DiscoveryError(f"{script} exited with status {done.returncode}"
+                             + (f": {last[0][:200]}" if last[0] else ""))
+    hosts = parse(text, script)
+    if not hosts.slots:
+        why = f" ({'; '.join(hosts.problems)})" if hosts.problems else ""
+        raise DiscoveryError(f"{script} listed no host with a slot{why}")
+    return hosts
+
+
+class Blacklist:
+    """Hosts not to use for a while, because a rank failed there.
+
+    Args:
+        cooldown: seconds a host stays out after its first failure; each further failure
+            doubles it (at most 16 x).
+        clock: the time source (tests pass a fake one).
+    """
+
+    def __init__(self, cooldown: float, clock: Callable[[], float] = time.monotonic):
+        self.cooldown, self.clock = cooldown, clock
+        self.failures: Dict[str, int] = {}
+        self.until: Dict[str, float] = {}
+
+    def add(self, host: str) -> float:
+        """Blacklist `host`; returns how many seconds it stays out."""
+        self.failures[host] = self.failures.get(host, 0) + 1
+        seconds = self.cooldown * min(2 ** (self.failures[host] - 1), _MAX_BACKOFF)
+        self.until[host] = self.clock() + seconds
+        return seconds
+
+    def blocked(self) -> List[str]:
+        """The hosts still cooling down."""
+        now = self.clock()
+        return [host for host, until in self.until.items() if until > now]
+
+
+def place(hosts: Hosts, max_np: Optional[int]) -> Tuple[int, str]:
+    """How many processes to start on `hosts` and the ``-H`` list for them.
+
+    Slots are taken host by host in discovery order, up to `max_np` (None: all of them);
+    Open MPI then places the ranks in that order (``--map-by slot``), so rank r runs on the
+    host whose slots hold position r.
+    """
+    chosen, left = [], max_np if max_np is not None else hosts.total
+    for host, count in hosts.slots:
+        if left <= 0:
+            break
+        take = min(count, left)
+        chosen.append(f"{host}:{take}")
+        left -= take
+    np = sum(int(entry.rsplit(":", 1)[1]) for entry in chosen)
+    return np, ",".join(chosen)
+
+
+def host_of_rank(hosts_arg: str, rank: int) -> Optional[str]:
+    """The host rank `rank` runs on, for a ``-H`` list made by :func:`place`."""
+    for entry in hosts_arg.split(","):
+        host, count = entry.rsplit(":", 1)
+        if rank < int(count):
+            return host
+        rank -= int(count)
+    return None

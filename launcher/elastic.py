@@ -1,0 +1,347 @@
+"""``mgpu-train --host-discovery-script``: keep training while hosts come and go.
+
+    mgpu-train -np 4 --min-np 2 --max-np 4 --host-discovery-script ./discover.sh train.py
+
+Restart-based, like torchrun (a membership change restarts every rank; the program resumes
+from its ``callbacks.BackupAndRestore`` backup), with Horovod's knobs and discovery format
+(mgpu_launcher.discovery). The loop, each step printed once on mgpu-train's stderr:
+
+1. Run the discovery script until the hosts it lists, minus blacklisted ones, offer at least
+   ``--min-np`` slots (at most ``--elastic-timeout`` seconds; then stop with a message).
+2. Start the job on them (``-H``, host by host, up to ``--max-np`` processes) with
+   ``MGPU_ELASTIC=1`` in every rank, and poll discovery every ``MGPU_DISCOVERY_INTERVAL``
+   seconds while it runs.
+3. When discovery offers more slots (up to ``--max-np``), or a host of the job leaves the list,
+   send mpirun SIGUSR1 (forwarded to every rank): at its next backup point the job writes a
+   backup and every rank exits (mgpu_launch.resize); go to 1.
+4. When a rank fails, the job is torn down (mgpu_launcher.supervisor); the host of the rank
+   that failed first is blacklisted for ``--blacklist-cooldown`` seconds (doubling with each
+   further failure); go to 1, at most ``--max-restarts`` times (default 10 here). A failure
+   before the first training step that is not a killed process (a SyntaxError, a bad
+   argument) is not restarted.
+5. The job ending with status 0 without such a stop ends mgpu-train with 0.
+"""
+
+import dataclasses
+import os
+import shlex
+import signal
+import sys
+import threading
+import time
+from typing import Callable, Optional, Set
+
+from mgpu_launcher import discovery, supervisor
+from mgpu_launcher.worker import ELASTIC_VARIABLE, RESIZE_SIGNAL
+
+PROG = "mgpu-train"
+DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_COOLDOWN_S = 60.0
+DEFAULT_MAX_RESTARTS = 10
+#: resizes (stops asked by mgpu-train) one invocation may make, a bound on the loop
+MAX_RESIZES = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The elastic part of an mgpu-train command line (validated)."""
+
+    script: str
+    min_np: int
+    max_np: Optional[int]  # None: as many as discovery offers
+    timeout: float = DEFAULT_TIMEOUT_S
+    cooldown: float = DEFAULT_COOLDOWN_S
+
+
+def _number(value: str, source: str, convert, least, example: str):
+    try:
+        number = convert(value)
+    except ValueError:
+        number = None
+    if number is None or number < least:
+        raise ValueError(f"{source} {value!r}: expected a number >= {least}, e.g. {example}")
+    return number
+
+
+def options_from(np: int, min_np: Optional[str], max_np: Optional[str], script: Optional[str],
+                 timeout: Optional[str], cooldown: Optional[str],
+                 environ=os.environ) -> Optional[Options]:
+    """The elastic options of a standalone command line (flags first, then MGPU_* variables).
+
+    Returns:
+        None when no discovery script is given (and no other elastic option).
+
+    Raises:
+        ValueError: a bad value or combination, with the fix in the message.
+    """
+    given = {}
+    for name, flag, variable, value in (
+            ("min_np", "--min-np", "MGPU_MIN_NP", min_np),
+            ("max_np", "--max-np", "MGPU_MAX_NP", max_np),
+            ("script", "--host-discovery-script", "MGPU_HOST_DISCOVERY_SCRIPT", script),
+            ("timeout", "--elastic-timeout", "MGPU_ELASTIC_TIMEOUT", timeout),
+            ("cooldown", "--blacklist-cooldown", "MGPU_BLACKLIST_COOLDOWN", cooldown)):
+        if value is not None:
+            given[name] = (flag, value)
+        elif environ.get(variable, "").strip():
+            given[name] = (variable, environ[variable].strip())
+    if "script" not in given:
+        if given:
+            raise ValueError(f"{', '.join(source for source, _ in given.values())} only apply "
+                             f"with --host-discovery-script (elastic mode), e.g. --min-np 2 "
+                             f"--max-np 4 --host-discovery-script ./discover.sh")
+        return None
+    source, path = given["script"]
+    if not os.path.isfile(path):
+        raise ValueError(f"{source} {path!r}: no such file; expected an executable that prints "
+                         f"one HOST:SLOTS line per available host")
+    if not os.access(path, os.X_OK):
+        raise ValueError(f"{source} {path!r} is not executable: chmod +x {path}")
+    low = _number(given["min_np"][1], given["min_np"][0], int, 1, "--min-np 2") \
+        if "min_np" in given else np
+    high = _number(given["max_np"][1], given["max_np"][0], int, 1, "--max-np 8") \
+        if "max_np" in given else None
+    if high is not None and low > high:
+        raise ValueError(f"--min-np {low} is more than --max-np {high}: expected "
+                         f"min <= max, e.g. --min-np 2 --max-np 4")
+    if np < low or (high is not None and np > high):
+        raise ValueError(f"-np {np} is outside [--min-np {low}, --max-np "
+                         f"{high if high is not None else 'any'}]: give an -np between them")
+    seconds = {name: _number(given[name][1], given[name][0], float, 0, example)
+               for name, example in (("timeout", "--elastic-timeout 600"),
+                                     ("cooldown", "--blacklist-cooldown 60")) if name in given}
+    return Options(os.path.abspath(path), low, high, **seconds)
+
+
+def discovery_interval() -> float:
+    """MGPU_DISCOVERY_INTERVAL: seconds between discovery runs while waiting or training."""
+    value = os.environ.get("MGPU_DISCOVERY_INTERVAL", "2")
+    try:
+        return max(0.2, float(value))
+    except ValueError:
+        return 2.0
+
+
+def say(text: str) -> None:
+    print(f"{PROG}: elastic: {text}", file=sys.stderr, flush=True)
+
+
+class _Noted:
+    """Print each distinct line once (a script's bad line is not repeated every poll)."""
+
+    def __init__(self):
+        self.seen: Set[str] = set()
+
+    def __call__(self, text: str) -> None:
+        if text not in self.seen:
+            self.seen.add(text)
+            say(text)
+
+
+class Watcher:
+    """Polls discovery while the job runs; asks the job to stop when it should resize."""
+
+    def __init__(self, options: Options, blacklist: discovery.Blacklist, hosts_arg: str,
+                 np: int, note: _Noted):
+        self.options, self.blacklist, self.note = options, blacklist, note
+        self.hosts_arg, self.np = hosts_arg, np
+        self.current = {entry.rsplit(":", 1)[0] for entry in hosts_arg.split(",")}
+        self.done = threading.Event()
+        self.why: Optional[str] = None  # set when the job was asked to stop
+
+    def attach(self, proc, relay) -> None:
+        threading.Thread(target=self._poll, args=(proc, relay), daemon=True).start()
+
+    def stop(self) -> None:
+        self.done.set()
+
+    def _poll(self, proc, relay) -> None:
+        while not self.done.wait(discovery_interval()):
+            why = self.reason()
+            # Not before the first step: the ranks' SIGUSR1 handler may not be in place yet.
+            if why is None or not relay.progressed or proc.poll() is not None:
+                continue
+            self.why = why
+            say(f"{why}: asking the job to stop at its next backup point")
+            try:
+                proc.send_signal(RESIZE_SIGNAL)
+            except ProcessLookupError:
+                pass
+            return
+
+    def reason(self) -> Optional[str]:
+        """Why the job should restart with another size now, or None."""
+        try:
+            hosts = discovery.discover(self.options.script)
+        except discovery.DiscoveryError as error:
+            self.note(f"discovery failed, the job goes on as it is: {error}")
+            return None
+        for problem in hosts.problems:
+            self.note(problem)
+        gone = sorted(self.current - set(hosts.names()))
+        usable = hosts.without(self.blacklist.blocked())
+        np, _ = discovery.place(usable, self.options.max_np)
+        if gone:
+            return (f"{', '.join(gone)} left the discovered hosts; restart with {np} "
+                    f"processes")
+        if np > self.np:
+            came = [f"{h} ({n} slots)" for h, n in usable.slots if h not in self.current]
+            what = f"{', '.join(came)} came" if came else "more slots were discovered"
+            return f"{what}; restart with {np} processes (now {self.np})"
+        return None
+
+
+def wait_for_slots(options: Options, blacklist: discovery.Blacklist, note: _Noted,
+                   clock=time.monotonic, sleep=time.sleep) -> Optional[discovery.Hosts]:
+    """Discovered, not blacklisted hosts with >= min_np slots; None after the timeout."""
+    deadline = clock() + options.timeout
+    while True:
+        blocked = blacklist.blocked()
+        try:
+            found = discovery.discover(options.script)
+            for problem in found.problems:
+                note(problem)
+            usable = found.without(blocked)
+            if usable.total >= options.min_np:
+                return usable
+            listed = ",".join(f"{h}:{n}" for h, n in usable.slots) or "none"
+            short = (f"{usable.total} slots available ({listed}"
+                     + (f"; blacklisted: {', '.join(blocked)}" if blocked else "")
+                     + f"), fewer than --min-np {options.min_np}")
+        except discovery.DiscoveryError as error:
+            short = f"discovery failed: {error}"
+        left = deadline - clock()
+        if left <= 0:
+            say(f"stopping: {short}, for {options.timeout:g} s (--elastic-timeout). No process "
+                f"of the job is left; its backups are where BackupAndRestore wrote them: start "
+                f"it again when enough hosts are back.")
+            return None
+        note(f"waiting for slots: {short}; waiting up to {options.timeout:g} s")
+        sleep(min(discovery_interval(), left))
+
+
+def run(options: Options, start: Callable, max_restarts: int = DEFAULT_MAX_RESTARTS) -> int:
+    """The elastic loop (see the module docstring); returns mgpu-train's exit status.
+
+    Args:
+        options: the validated elastic options.
+        start: ``start(np, hosts_arg, attempt, on_start) -> supervisor.Outcome`` runs one
+            attempt of the job on ``-H hosts_arg`` (mgpu_launcher.cli builds it).
+        max_restarts: restarts after failures allowed (resizes asked by mgpu-train are not
+            counted; at most :data:`MAX_RESIZES` of them).
+    """
+    blacklist = discovery.Blacklist(options.cooldown)
+    note = _Noted()
+    failures = resizes = 0
+    status, previous, why = 1, None, None
+    for attempt in range(max_restarts + MAX_RESIZES + 1):
+        hosts = wait_for_slots(options, blacklist, note)
+        if hosts is None:
+            return status or 1
+        np, hosts_arg = discovery.place(hosts, options.max_np)
+        if previous is None:
+            say(f"starting {np} processes on {hosts_arg} (--min-np {options.min_np}, --max-np "
+                f"{options.max_np if options.max_np is not None else 'any'})")
+        else:
+            say(f"restarting with {np} processes on {hosts_arg} (was {previous[0]} on "
+                f"{previous[1]}): {why}; the job resumes from its last backup")
+        watcher = Watcher(options, blacklist, hosts_arg, np, note)
+        try:
+            outcome = start(np, hosts_arg, attempt, watcher.attach)
+        finally:
+            watcher.stop()
+        status, previous = outcome.status, (np, hosts_arg)
+        if outcome.stopped_by is not None:
+            return outcome.status
+        if outcome.status == 0 and outcome.resized is None:
+            return 0
+        if outcome.status == 0:
+            resizes += 1
+            why = f"the job stopped at its {outcome.resized} ({watcher.why or 'asked'})"
+            if resizes > MAX_RESIZES:
+                say(f"stopping: {resizes} resizes in this run is more than {MAX_RESIZES}")
+                return 1
+            continue
+        why = _failed(outcome, hosts_arg, blacklist)
+        if not outcome.progressed and not _killed(outcome):
+            say(f"not restarting: the job failed before its first training step was done "
+                f"({why}), so every restart would fail the same way. Fix the error above.")
+            return status
+        failures += 1
+        if failures > max_restarts:
+            say(f"stopping: {why}, and the {max_restarts} restarts allowed are used "
+                f"(--max-restarts)")
+            return status
+    return status
+
+
+def _killed(outcome) -> bool:
+    return bool(outcome.cause and outcome.cause.reason.startswith("killed by signal"))
+
+
+def _failed(outcome, hosts_arg: str, blacklist: discovery.Blacklist) -> str:
+    """Describe the failure, and blacklist the host of the rank that failed first."""
+    cause = outcome.cause
+    if cause is None or cause.stall:
+        return (f"the job stalled: {cause.reason}" if cause
+                else f"the job failed (exit status {outcome.status})")
+    host = discovery.host_of_rank(hosts_arg, cause.rank)
+    if host is None:
+        return f"rank {cause.rank} failed: {cause.reason}"
+    seconds = blacklist.add(host)
+    say(f"{host} failed: rank {cause.rank} {cause.reason}; {host} is blacklisted for "
+        f"{seconds:g} s (--blacklist-cooldown)")
+    return f"{host} failed (rank {cause.rank}: {cause.reason})"
+
+
+def add_arguments(parser) -> None:
+    """mgpu-train's elastic options (mgpu_launcher.cli's parser)."""
+    group = parser.add_argument_group(
+        "elastic training (standalone mode; docs/fault-tolerance.md#elastic-training)")
+    group.add_argument("--host-discovery-script", metavar="FILE", help="an executable printing "
+                       "the available hosts, one HOST:SLOTS per line; mgpu-train runs the job "
+                       "on them and restarts it when hosts fail, leave or come "
+                       "($MGPU_HOST_DISCOVERY_SCRIPT)")
+    group.add_argument("--min-np", metavar="N", help="fewest processes to train with "
+                       "(default: -np; $MGPU_MIN_NP)")
+    group.add_argument("--max-np", metavar="N", help="most processes to grow to (default: all "
+                       "discovered slots; $MGPU_MAX_NP)")
+    group.add_argument("--elastic-timeout", metavar="S", help="seconds to wait for --min-np "
+                       "slots before stopping (default 600; $MGPU_ELASTIC_TIMEOUT)")
+    group.add_argument("--blacklist-cooldown", metavar="S", help="seconds a host where a rank "
+                       "failed stays unused, doubled at each further failure (default 60; "
+                       "$MGPU_BLACKLIST_COOLDOWN)")
+
+
+def run_job(options: Options, build: Callable, *, all_ranks: bool, output_dir: Optional[str],
+            merge_window: Optional[float], max_restarts: int, dry_run: bool) -> int:
+    """Run the job elastically: :func:`run` with attempts started through the supervisor.
+
+    Args:
+        build: ``build(np, hosts_arg) -> (mpirun command, flavour, environment)``.
+        all_ranks, output_dir, merge_window: as for ``supervisor.supervise``.
+        max_restarts: restarts after failures allowed.
+        dry_run: print the mpirun command for the hosts discovered now, run nothing.
+    """
+    def start(np: int, hosts_arg: str, attempt: int, on_start):
+        command, flavour, env = build(np, hosts_arg)
+        # MGPU_ELASTIC=1 and MGPU_PROGRESS_MARKER=1 are forwarded by `build` (-x); these are
+        # the values for this attempt.
+        env.update({ELASTIC_VARIABLE: "1", "MGPU_PROGRESS_MARKER": "1",
+                    "MGPU_RESTART_COUNT": str(attempt)})
+        return supervisor.supervise(command, flavour, all_ranks=all_ranks,
+                                    output_dir=output_dir, env=env, size=np,
+                                    merge_window=merge_window, on_start=on_start)
+
+    if dry_run:
+        try:
+            np, hosts_arg = discovery.place(discovery.discover(options.script), options.max_np)
+        except discovery.DiscoveryError as error:
+            say(f"--dry-run: {error}")
+            return 2
+        print(shlex.join(build(np, hosts_arg)[0]))
+        return 0
+    try:
+        return run(options, start, max_restarts)
+    except KeyboardInterrupt:  # Ctrl-C while waiting for slots (a running job: supervisor)
+        return 128 + signal.SIGINT
