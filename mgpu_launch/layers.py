@@ -12,9 +12,10 @@ models train, those statistics are noisy. A synchronized layer normalizes with t
 the global batch instead, as one process with the batches of all ranks would: per layer and
 step, each rank computes over its local batch, per channel, the sample count n_r, the sum s_r
 and the sum of squared deviations from its own mean M2_r; one small collective inside the
-compiled step (``mgpu_launch.batch_statistics``, :meth:`~mgpu_launch.engines.Engine.gather_in_step`: an all-gather on JAX, a sum of
-one-hot rows on TensorFlow and torch) gives every rank every rank's (n_r, s_r, M2_r); each rank
-then combines them (Chan et al.'s parallel variance, as torch's SyncBatchNorm does):
+compiled step (``mgpu_launch.batch_statistics``, through
+:meth:`~mgpu_launch.engines.Engine.gather_in_step`: an all-gather on JAX, a sum of one-hot rows
+on TensorFlow and torch) gives every rank every rank's (n_r, s_r, M2_r); each rank then
+combines them (Chan et al.'s parallel variance, as torch's SyncBatchNorm does):
 
     N = sum n_r,   mean = sum s_r / N,   var = (sum M2_r + sum n_r (s_r / n_r - mean)^2) / N
 

@@ -3,7 +3,9 @@
 Route chosen (docs/backends.md, "JAX backend"): Keras's train step runs under ``jax.shard_map`` over a
 one-axis mesh of every process's device. Each device computes the loss, gradients and
 BatchNorm statistics of its *own* local batch (Horovod's semantics); the DistributedOptimizer's
-``psum`` is the only collective in the step, and XLA lowers it to NCCL on GPU (gloo on CPU).
+``psum`` is the only collective in the step (plus, per synchronized BatchNormalization, an
+``all_gather`` forward and its transpose backward: :meth:`JaxEngine.gather_in_step`), and XLA
+lowers it to NCCL on GPU (gloo on CPU).
 The alternative, ``keras.distribution.DataParallel``, lets GSPMD compute the loss over the
 global batch: that also makes BatchNorm statistics global (one small allreduce per BN layer,
 forward and backward) and measured slower at 2 GPUs.
