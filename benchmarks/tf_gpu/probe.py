@@ -10,6 +10,12 @@ for the device):
   fit-tfdata-gpu        the same, the batch copied to the GPU inside tf.data
                         (tf.data.experimental.copy_to_device + prefetch)
   fit-tfdata-spe8       fit-tfdata with steps_per_execution=8 (8 steps per tf.function call)
+  fit-tfdata-gpu-spe8   fit-tfdata-gpu with steps_per_execution=8
+  fit-tfdata-gpu-plain  fit-tfdata-gpu with the plain SGD, no DistributedOptimizer: its cost
+  train-function        Keras's own compiled train function called in a Python loop on a
+                        Python iterator of the device-resident batch: no fit loop, no
+                        tf.data, and none of the per-call wait Keras's tf.data path has
+                        (its OptionalHasValue read)
   step-xla              a hand-written tf.function(jit_compile=True) step (tape, loss, the
                         same optimizer) on device-resident tensors: TF's device floor
   step-graph            the same without XLA
@@ -34,7 +40,8 @@ parser.add_argument("--batch", type=int, default=128)
 parser.add_argument("--steps", type=int, default=40)
 parser.add_argument("--warmup", type=int, default=10)
 parser.add_argument("--variants", default="fit-pydataset-device,fit-tfdata,fit-tfdata-gpu,"
-                    "fit-tfdata-spe8,step-xla,step-graph")
+                    "fit-tfdata-spe8,fit-tfdata-gpu-spe8,fit-tfdata-gpu-plain,train-function,"
+                    "step-xla")
 parser.add_argument("--out", required=True)
 args = parser.parse_args()
 
@@ -46,11 +53,12 @@ with tf.device("/GPU:0"):
     x_dev, y_dev = tf.identity(x_host), tf.identity(y_host)
 
 
-def build(steps_per_execution=1):
+def build(steps_per_execution=1, plain=False):
     model = keras.applications.ResNet50(weights=None, input_shape=(224, 224, 3), classes=1000)
-    model.compile(optimizer=mgpu.DistributedOptimizer(
-        keras.optimizers.SGD(0.0125, momentum=0.9)), loss="sparse_categorical_crossentropy",
-        steps_per_execution=steps_per_execution)
+    optimizer = keras.optimizers.SGD(0.0125, momentum=0.9)
+    model.compile(optimizer=optimizer if plain else mgpu.DistributedOptimizer(optimizer),
+                  loss="sparse_categorical_crossentropy",
+                  steps_per_execution=steps_per_execution)
     return model
 
 
@@ -74,6 +82,19 @@ def time_fit(model, data, steps):
     start = time.perf_counter()
     history = model.fit(data, steps_per_epoch=steps, epochs=1, verbose=0)
     float(history.history["loss"][-1])
+    return time.perf_counter() - start
+
+
+def time_train_function(model, steps):
+    model.make_train_function()
+    batches = iter(lambda: (x_dev, y_dev), None)  # endless, device-resident
+    for _ in range(args.warmup):
+        logs = model.train_function(batches)
+    float(logs["loss"])
+    start = time.perf_counter()
+    for _ in range(steps):
+        logs = model.train_function(batches)
+    float(logs["loss"])
     return time.perf_counter() - start
 
 
@@ -116,8 +137,14 @@ for variant in args.variants.split(","):
         elif variant in ("fit-tfdata", "fit-tfdata-gpu"):
             shared = shared or build()
             seconds = time_fit(shared, tfdata(variant.endswith("gpu")), args.steps)
-        elif variant == "fit-tfdata-spe8":
-            seconds = time_fit(build(steps_per_execution=8), tfdata(), args.steps)
+        elif variant in ("fit-tfdata-spe8", "fit-tfdata-gpu-spe8"):
+            seconds = time_fit(build(steps_per_execution=8), tfdata("gpu" in variant),
+                               args.steps)
+        elif variant == "fit-tfdata-gpu-plain":
+            seconds = time_fit(build(plain=True), tfdata(True), args.steps)
+        elif variant == "train-function":
+            shared = shared or build()
+            seconds = time_train_function(shared, args.steps)
         elif variant in ("step-xla", "step-graph"):
             seconds = time_step(variant == "step-xla")
         else:

@@ -32,6 +32,10 @@ stage_checks() {
   KERAS_BACKEND=tensorflow timeout 300 mgpu-train -np 1 examples/keras_digits.py \
     --checkpoint "$1/digits.keras" > "$1/digits.log" 2>&1; echo "digits: exit $?"
   grep -a "final validation accuracy" "$1/digits.log"; rm -f "$1/digits.keras"
+  # Two ranks sharing the one GPU: the TF engine's host ring on GPU tensors, memory growth.
+  KERAS_BACKEND=tensorflow timeout 300 mgpu-train -np 2 --no-pin examples/keras_digits.py \
+    --checkpoint "$1/digits2.keras" > "$1/digits2.log" 2>&1; echo "digits -np 2 --no-pin: exit $?"
+  grep -a "final validation accuracy" "$1/digits2.log"; rm -f "$1/digits2.keras"
 }
 
 stage_tests() {
