@@ -8,8 +8,10 @@ its own part of each global batch and writes ``<case>.rank<r>.npz``; and one ran
 modulo the number of ranks, so the ranks share the work) trains the same model from the same
 weights with the plain optimizer on the whole global batch, in this process alone (no
 collective), and writes ``<case>.reference.npz``: the single-process result every rank must
-match. Each npz also holds ``iterations`` and ``learning_rate`` (the optimizer's, read after
-training) under those keys.
+match. A case with ``ranks_as_passes`` also gets ``<case>.accumulated.npz``: one process
+accumulating the ranks' batches one after the other with Keras's gradient_accumulation_steps
+(mixed precision: the same float16 sums as the ranks'). Each npz also holds ``iterations`` and
+``learning_rate`` (the optimizer's, read after training) under those keys.
 """
 
 import json
@@ -59,31 +61,36 @@ def decaying():
     return keras.optimizers.schedules.ExponentialDecay(0.02, decay_steps=1, decay_rate=0.8)
 
 
-#: name -> model, inputs, optimizer factory, options. passes: the DistributedOptimizer's
-#: backward_passes_per_step, the reference's gradient_accumulation_steps (Keras's own);
-#: policy: the dtype policy; loss_scale: wrap the optimizer in a LossScaleOptimizer.
+#: name -> model, inputs, optimizer (a factory; its keyword arguments go to the Keras optimizer),
+#: options. passes: the DistributedOptimizer's backward_passes_per_step and the reference's
+#: gradient_accumulation_steps (Keras's own); policy: the dtype policy; loss_scale: wrap the
+#: optimizer in a LossScaleOptimizer; ranks_as_passes: a second reference, Keras's own
+#: accumulation over the ranks' batches one after the other (<case>.accumulated.npz).
 #: Synchronized BatchNorm (issue 25 item 3) adds its case here and in the test's CASES.
 CASES = {
     "sgd_momentum": dict(model=mlp, inputs="dense",
-                         optimizer=lambda: keras.optimizers.SGD(0.1, momentum=0.9)),
-    "adam": dict(model=mlp, inputs="dense", optimizer=lambda: keras.optimizers.Adam(0.01)),
+                         optimizer=lambda **kw: keras.optimizers.SGD(0.1, momentum=0.9, **kw)),
+    "adam": dict(model=mlp, inputs="dense",
+                 optimizer=lambda **kw: keras.optimizers.Adam(0.01, **kw)),
     "adamw": dict(model=mlp, inputs="dense",
-                  optimizer=lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1)),
-    "clipnorm": dict(model=mlp, inputs="dense",
-                     optimizer=lambda: keras.optimizers.SGD(0.1, momentum=0.9, clipnorm=0.05)),
+                  optimizer=lambda **kw: keras.optimizers.AdamW(0.01, weight_decay=0.1, **kw)),
     # Both clip (gradient norms here are 0.3 - 1): on the averaged gradient, as 1 process does.
-    "global_clipnorm": dict(model=mlp, inputs="dense", optimizer=lambda: keras.optimizers.SGD(
-        0.1, momentum=0.9, global_clipnorm=0.05)),
+    "clipnorm": dict(model=mlp, inputs="dense", optimizer=lambda **kw: keras.optimizers.SGD(
+        0.1, momentum=0.9, clipnorm=0.05, **kw)),
+    "global_clipnorm": dict(model=mlp, inputs="dense", optimizer=lambda **kw: keras.optimizers.SGD(
+        0.1, momentum=0.9, global_clipnorm=0.05, **kw)),
     "embedding_adam": dict(model=embedding, inputs="tokens5",
-                           optimizer=lambda: keras.optimizers.Adam(0.01)),
+                           optimizer=lambda **kw: keras.optimizers.Adam(0.01, **kw)),
     "transformer_adamw": dict(model=transformer, inputs="tokens6",
-                              optimizer=lambda: keras.optimizers.AdamW(0.01, weight_decay=0.05)),
-    "lstm": dict(model=lstm, inputs="sequence", optimizer=lambda: keras.optimizers.Adam(0.01)),
+                              optimizer=lambda **kw: keras.optimizers.AdamW(
+                                  0.01, weight_decay=0.05, **kw)),
+    "lstm": dict(model=lstm, inputs="sequence",
+                 optimizer=lambda **kw: keras.optimizers.Adam(0.01, **kw)),
     "accumulation": dict(model=mlp, inputs="dense", passes=2,
-                         optimizer=lambda passes=None: keras.optimizers.Adam(
-                             decaying(), gradient_accumulation_steps=passes)),
+                         optimizer=lambda **kw: keras.optimizers.Adam(decaying(), **kw)),
     "mixed_float16": dict(model=mlp, inputs="dense", policy="mixed_float16", loss_scale=True,
-                          optimizer=lambda: keras.optimizers.Adam(0.01)),
+                          ranks_as_passes=True,
+                          optimizer=lambda **kw: keras.optimizers.Adam(0.01, **kw)),
 }
 
 
@@ -104,7 +111,10 @@ def initial_weights(model, rng):
 
 
 # -- one case ---------------------------------------------------------------------------------
-def train(name, spec, distributed, out_path):
+def train(name, spec, mode, out_path):
+    """mode: "distributed" (this rank's part, DistributedOptimizer), "reference" (the global
+    batch, plain optimizer) or "accumulated" (plain optimizer accumulating over size() passes,
+    each pass one rank's part, in rank order)."""
     rank, size = mgpu.rank(), mgpu.size()
     passes = spec.get("passes", 1)
     keras.mixed_precision.set_global_policy(spec.get("policy", "float32"))
@@ -115,19 +125,19 @@ def train(name, spec, distributed, out_path):
         y = rng.integers(0, 3, size=len(x))
         model = spec["model"]()
         model.set_weights(initial_weights(model, rng))
-        # Accumulation: the reference's optimizer accumulates (Keras's own), ours does not.
-        accumulate = passes > 1 and not distributed
-        optimizer = spec["optimizer"](passes=passes) if accumulate else spec["optimizer"]()
+        # The DistributedOptimizer accumulates itself; the references use Keras's own.
+        steps = {"distributed": 1, "reference": passes, "accumulated": passes * size}[mode]
+        optimizer = spec["optimizer"](**(
+            {"gradient_accumulation_steps": steps} if steps > 1 else {}))
         if spec.get("loss_scale"):
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
-        batch = per_pass
-        if distributed:
+        batch = per_pass if mode == "reference" else per_pass // size
+        if mode == "distributed":
             optimizer = mgpu.DistributedOptimizer(optimizer, backward_passes_per_step=passes)
             # Rank r's part of each pass's global batch: the samples 1 process x per_pass sees.
-            chunk = per_pass // size
-            take = np.concatenate([np.arange(start + rank * chunk, start + (rank + 1) * chunk)
+            take = np.concatenate([np.arange(start + rank * batch, start + (rank + 1) * batch)
                                    for start in range(0, len(x), per_pass)])
-            x, y, batch = x[take], y[take], chunk
+            x, y = x[take], y[take]
         model.compile(optimizer=optimizer, auto_scale_loss=False,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
@@ -160,14 +170,17 @@ def main():
     names, out_dir = json.loads(sys.argv[1]), sys.argv[2]
     rank, size = mgpu.rank(), mgpu.size()
     for index, name in enumerate(names):
-        for distributed in (True, False):
-            if not distributed and index % size != rank:
-                continue
-            out = os.path.join(out_dir, f"{name}.{f'rank{rank}' if distributed else 'reference'}")
+        spec = CASES.get(name, {})
+        modes = ["distributed"]
+        if index % size == rank:  # this rank's share of the single-process references
+            modes += ["reference"] + (["accumulated"] if spec.get("ranks_as_passes") else [])
+        for mode in modes:
+            suffix = f"rank{rank}" if mode == "distributed" else mode
+            out = os.path.join(out_dir, f"{name}.{suffix}")
             if name == "raw_tf_variable":
-                raw_tf_variable(distributed, out)
+                raw_tf_variable(mode == "distributed", out)
             else:
-                train(name, CASES[name], distributed, out)
+                train(name, spec, mode, out)
         print(f"rank {rank}: {name} done", flush=True)
     mgpu.barrier()
 
