@@ -35,9 +35,10 @@ def job(tmp_path_factory):
     return [dict(np.load(out / f"rank.{rank}.npz")) for rank in range(2)]
 
 
-def assert_matches_reference(results, case):
+def assert_matches_reference(results, case, weights=14):
+    # 14: conv, 2 x BN (gamma, beta, moving mean and variance), 2 x Dense; masked: 8
     actual, expected = weights_of(results, case), weights_of(results, case + "_ref")
-    assert len(actual) == len(expected) == 14  # conv, 2 x BN (gamma, beta, moving mean/var), ...
+    assert len(actual) == len(expected) == weights
     for index, (a, e) in enumerate(zip(actual, expected)):
         np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6, err_msg=f"{case} weight {index}")
 
@@ -50,6 +51,13 @@ def test_two_ranks_equal_one_process_with_the_global_batch(job):
     # Weights and moving statistics identical on every rank, bit for bit.
     for a, b in zip(weights_of(job[0], "sync"), weights_of(job[1], "sync"), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@requires_mpirun
+@pytest.mark.backend
+def test_masked_positions_do_not_count(job):
+    for results in job:
+        assert_matches_reference(results, "masked", weights=8)
 
 
 @requires_mpirun

@@ -4,7 +4,8 @@
 
 Each rank trains, in one job: a small CNN whose two BatchNormalization layers are
 ``mgpu.layers.SyncBatchNormalization`` and ``keras.layers.BatchNormalization(synchronized=True)``
-("sync"), the same with plain local BatchNormalization ("local", which must NOT match), and
+("sync"), the same with plain local BatchNormalization ("local", which must NOT match), the
+same statistics under a Keras mask ("masked": Masking -> Dense -> BatchNormalization), and
 (TensorFlow, torch) an uneven case: rank r has 3 + 2r samples, summed loss and op=Sum, so the
 job's gradient is that of the 3 + 5 samples together. The references are trained in the same
 process with plain Keras (plain optimizer, plain BatchNormalization, no collective) on the
@@ -88,6 +89,26 @@ if BACKEND != "jax" and size == 2:
         model.train_on_batch(x[batch], y[batch])
         reference.train_on_batch(x[start:start + 8], y[start:start + 8])
     keep("uneven", model, reference)
+
+# -- a mask (Masking -> Dense -> BatchNorm over time steps): only unmasked steps count ----------
+steps = x[:16, :4, 0, :].copy()
+steps[rng.random((16, 4)) < 0.3] = 0.0
+
+
+def masked_model(synchronized: bool):
+    keras.utils.set_random_seed(3)
+    return keras.Sequential([
+        keras.Input((4, 3)), keras.layers.Masking(0.0), keras.layers.Dense(5),
+        keras.layers.BatchNormalization(synchronized=synchronized, momentum=0.5),
+        keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+
+
+take = local_part(8)[:16 // size]
+model = compile_(masked_model(True), distributed=True)
+model.fit(steps[take], y[take], batch_size=8 // size, epochs=1, shuffle=False, verbose=0)
+reference = compile_(masked_model(False), distributed=False)
+reference.fit(steps, y[:16], batch_size=8, epochs=1, shuffle=False, verbose=0)
+keep("masked", model, reference)
 
 np.savez(os.path.join(out_dir, f"rank.{rank}.npz"), **results)
 print("sync_bn done", rank, sorted({key.split(".")[0] for key in results}))
