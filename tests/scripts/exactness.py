@@ -97,8 +97,6 @@ CASES = {
                  optimizer=lambda **kw: keras.optimizers.Adam(0.01, **kw)),
     "accumulation": dict(model=mlp, inputs="dense", passes=2,
                          optimizer=lambda **kw: keras.optimizers.Adam(decaying(), **kw)),
-    "mixed_bfloat16": dict(model=mlp, inputs="dense", policy="mixed_bfloat16", ranks_as_passes=True,
-                           optimizer=lambda **kw: keras.optimizers.Adam(0.01, **kw)),
     "mixed_float16": dict(model=mlp, inputs="dense", policy="mixed_float16", loss_scale=True,
                           ranks_as_passes=True,
                           optimizer=lambda **kw: keras.optimizers.Adam(0.01, **kw)),
