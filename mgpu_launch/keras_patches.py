@@ -20,6 +20,9 @@ Keras attribute                            backend   why
                                                      order of ``mgpu.data.shard`` data (any model)
 ``JAXEpochIterator._get_iterator``         jax       feed batches from the device prefetcher
 ``TorchEpochIterator._get_iterator``       torch     feed batches from the device prefetcher
+``TFEpochIterator._get_iterator``          tf        the same, which also takes Keras's train
+                                                     function off its tf.data path (one wait
+                                                     for the device per call)
 ``JAXTrainer.make_train_function``         jax       run the train step under the engine's
                                                      ``shard_map`` (gradients ``psum``-ed)
 ``JAXTrainer.jax_state_sync``              jax       give Keras process-local arrays back
@@ -144,6 +147,8 @@ PATCHES = {
                           ("self",)),
     "torch_iterator": Patch("keras.src.backend.torch.trainer:TorchEpochIterator",
                             "_get_iterator", ("self",)),
+    "tf_iterator": Patch("keras.src.backend.tensorflow.trainer:TFEpochIterator",
+                         "_get_iterator", ("self",)),
     "jax_train_function": Patch("keras.src.backend.jax.trainer:JAXTrainer",
                                 "make_train_function", ("self", "force")),
     "jax_state_sync": Patch("keras.src.backend.jax.trainer:JAXTrainer", "jax_state_sync",
@@ -172,7 +177,7 @@ PATCHES = {
 
 #: backend -> the patches :func:`install` applies there, in order.
 BY_BACKEND = {
-    "tensorflow": ("fit", "compile_config", "tf_auto_jit"),
+    "tensorflow": ("fit", "compile_config", "tf_auto_jit", "tf_iterator"),
     "jax": ("fit", "compile_config", "jax_iterator", "jax_train_function", "jax_state_sync"),
     "torch": ("fit", "compile_config", "torch_iterator", "torch_ddp", "torch_train_function"),
 }
@@ -505,6 +510,7 @@ def _optimizer_variables(original):
 
 _FACTORIES = {
     "fit": _fit, "jax_iterator": _epoch_iterator, "torch_iterator": _epoch_iterator,
+    "tf_iterator": _epoch_iterator,
     "jax_train_function": _jax_train_function, "jax_state_sync": _jax_state_sync,
     "torch_ddp": _torch_ddp, "torch_train_function": _torch_train_function,
     "torch_sgd_update": _torch_sgd_update, "torch_scalars": _torch_scalars,

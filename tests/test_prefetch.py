@@ -101,17 +101,26 @@ def _fit_losses(depth, monkeypatch):
     model.compile(mgpu.DistributedOptimizer(keras.optimizers.SGD(0.5)),
                   "sparse_categorical_crossentropy")
     batches = ThreadRecorder()
+    handed = []  # batches the training loop took from a Prefetcher
+    original_next = prefetch.Prefetcher.__next__
+
+    def recording_next(self):
+        item = original_next(self)
+        handed.append(item)
+        return item
+    monkeypatch.setattr(prefetch.Prefetcher, "__next__", recording_next)
     history = model.fit(batches, epochs=2, verbose=0)
-    return history.history["loss"], set(batches.threads)
+    return history.history["loss"], set(batches.threads), len(handed)
 
 
 @pytest.mark.backend
 def test_fit_feeds_from_the_prefetch_thread_with_the_same_result(monkeypatch):
-    prefetched, threads = _fit_losses(2, monkeypatch)
-    direct, direct_threads = _fit_losses(0, monkeypatch)
+    prefetched, threads, handed = _fit_losses(2, monkeypatch)
+    direct, direct_threads, direct_handed = _fit_losses(0, monkeypatch)
     assert prefetched == pytest.approx(direct, rel=1e-6)
-    assert "mgpu-prefetch" not in direct_threads
+    assert "mgpu-prefetch" not in direct_threads and direct_handed == 0
+    assert handed >= 2 * len(ThreadRecorder())  # every batch of both epochs (JAX peeks one more)
     if BACKEND in ("jax", "torch"):
         assert threads == {"mgpu-prefetch"}
-    else:  # TensorFlow keeps its own tf.data pipeline
-        assert "mgpu-prefetch" not in threads
+    # TensorFlow: the PyDataset runs in tf.data's own threads; the prefetch thread iterates
+    # that tf.data pipeline and copies each batch to the device.
