@@ -36,10 +36,11 @@ pytest.importorskip(BACKEND)
 
 WORKER = os.path.join(SCRIPTS, "exactness.py")
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_BACKEND": BACKEND}
-#: the cases scripts/exactness.py knows; synchronized BatchNorm (issue 25 item 3) adds its own
+#: the cases scripts/exactness.py knows (vision_sync_bn: synchronized BatchNorm, issue 25 item 3;
+#: tests/test_sync_batchnorm.py has its uneven-batch, mask and inference cases)
 CASES = ["sgd_momentum", "adam", "adamw", "clipnorm", "global_clipnorm",
          "embedding_adam", "transformer_adamw",
-         "lstm", "accumulation", "mixed_float16", "mixed_bfloat16"]
+         "lstm", "accumulation", "mixed_float16", "mixed_bfloat16", "vision_sync_bn"]
 if BACKEND == "tensorflow":
     CASES.append("raw_tf_variable")  # issue 25 item 4
 #: a float16 / bfloat16 unit roundoff, relative to each tensor's largest weight (docstring)

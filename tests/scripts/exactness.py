@@ -56,6 +56,15 @@ def lstm():
     return keras.Sequential([keras.Input((5, 3)), keras.layers.LSTM(6), keras.layers.Dense(3)])
 
 
+def vision(synchronized=False):
+    # Synchronized BatchNorm after a convolution (issue 25 item 3); the single-process reference
+    # is the same model with plain BatchNormalization (the statistics of its whole batch).
+    return keras.Sequential([
+        keras.Input((5, 5, 3)), keras.layers.Conv2D(4, 3),
+        keras.layers.BatchNormalization(synchronized=synchronized, momentum=0.5),
+        keras.layers.ReLU(), keras.layers.Flatten(), keras.layers.Dense(3)])
+
+
 def decaying():
     # A different rate at every backward pass: the update uses the one at the pass it runs in.
     return keras.optimizers.schedules.ExponentialDecay(0.02, decay_steps=1, decay_rate=0.8)
@@ -65,8 +74,8 @@ def decaying():
 #: options. passes: the DistributedOptimizer's backward_passes_per_step and the reference's
 #: gradient_accumulation_steps (Keras's own); policy: the dtype policy; loss_scale: wrap the
 #: optimizer in a LossScaleOptimizer; ranks_as_passes: a second reference, Keras's own
-#: accumulation over the ranks' batches one after the other (<case>.accumulated.npz).
-#: Synchronized BatchNorm (issue 25 item 3) adds its case here and in the test's CASES.
+#: accumulation over the ranks' batches one after the other (<case>.accumulated.npz);
+#: synchronized: the model takes synchronized=True on the ranks, False for the references.
 CASES = {
     "sgd_momentum": dict(model=mlp, inputs="dense",
                          optimizer=lambda **kw: keras.optimizers.SGD(0.1, momentum=0.9, **kw)),
@@ -93,6 +102,8 @@ CASES = {
     "mixed_float16": dict(model=mlp, inputs="dense", policy="mixed_float16", loss_scale=True,
                           ranks_as_passes=True,
                           optimizer=lambda **kw: keras.optimizers.Adam(0.01, **kw)),
+    "vision_sync_bn": dict(model=vision, inputs="image", synchronized=True,
+                           optimizer=lambda **kw: keras.optimizers.SGD(0.1, momentum=0.9, **kw)),
 }
 
 
@@ -101,6 +112,8 @@ def inputs(kind, samples, rng):
         x = rng.normal(size=(samples, 6))
     elif kind == "sequence":
         x = rng.normal(size=(samples, 5, 3))
+    elif kind == "image":  # a mean far from zero against the spread, as images have
+        x = rng.normal(size=(samples, 5, 5, 3)) * 2.0 + 3.0
     else:  # tokens<length>: few distinct ids, so a batch repeats some (summed embedding rows)
         return rng.integers(0, 20, size=(samples, int(kind[len("tokens"):]))).astype("int32")
     return x.astype("float32")
@@ -125,7 +138,8 @@ def train(name, spec, mode, out_path):
         per_pass = GLOBAL_BATCH // passes  # samples per backward pass, all ranks together
         x = inputs(spec["inputs"], STEPS * GLOBAL_BATCH, rng)
         y = rng.integers(0, 3, size=len(x))
-        model = spec["model"]()
+        model = spec["model"](**({"synchronized": mode == "distributed"}
+                                 if spec.get("synchronized") else {}))
         model.set_weights(initial_weights(model, rng))
         # The DistributedOptimizer accumulates itself; the references use Keras's own.
         steps = {"distributed": 1, "reference": passes, "accumulated": passes * size}[mode]
