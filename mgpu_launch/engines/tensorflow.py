@@ -232,11 +232,18 @@ class TensorFlowEngine(Engine):
 
             summed = tf.numpy_function(host_sum, [flat], flat.dtype, stateful=True)
             return tf.ensure_shape(summed, flat.shape)
+        return self.collective_reduce(flat)
+
+    def collective_reduce(self, tensor, *, kind: str = "reduce", merge_op: str = "Add"):
+        """One in-graph ``CollectiveReduceV2`` of `tensor` over all ranks (``merge_op``: Add,
+        Min, Max or Mul), keyed by its signature within `kind` (see ``_instance_key_for``) and
+        ordered behind the step's other collectives."""
+        import tensorflow as tf
         return tf.raw_ops.CollectiveReduceV2(
-            input=flat, group_size=self.size, group_key=1,
-            instance_key=self._instance_key_for(flat),
+            input=tensor, group_size=self.size, group_key=1,
+            instance_key=self._instance_key_for(tensor, kind=kind),
             ordering_token=[self._ordering_token.handle],
-            merge_op="Add", final_op="Id", communication_hint=self.implementation,
+            merge_op=merge_op, final_op="Id", communication_hint=self.implementation,
             timeout_seconds=self.timeout)
 
     def allreduce(self, tensors: Sequence[Any], *, average: bool, prescale: float = 1.0,

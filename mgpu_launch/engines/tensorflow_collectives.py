@@ -167,12 +167,7 @@ def broadcast(engine, tensor, root_rank: int):
     engine._check_not_xla()
     wire, back = _to_wire(tensor, _REDUCIBLE)
     mine = wire if runtime.state.rank == root_rank else tf.zeros_like(wire)
-    summed = tf.raw_ops.CollectiveReduceV2(
-        input=mine, group_size=engine.size, group_key=1,
-        instance_key=engine._instance_key_for(mine, kind="bcast"),
-        ordering_token=[engine._ordering_token.handle], merge_op="Add", final_op="Id",
-        communication_hint=engine.implementation, timeout_seconds=engine.timeout)
-    return back(summed)
+    return back(engine.collective_reduce(mine, kind="bcast"))
 
 
 def reduce(engine, tensor, op: str):
@@ -185,11 +180,7 @@ def reduce(engine, tensor, op: str):
         return _mpi_reduce(engine, tensor, op)
     engine._check_not_xla()
     wire, back = _to_wire(tensor, _REDUCIBLE)  # value-preserving casts: the op is unchanged
-    return back(tf.raw_ops.CollectiveReduceV2(
-        input=wire, group_size=engine.size, group_key=1,
-        instance_key=engine._instance_key_for(wire, kind=op),
-        ordering_token=[engine._ordering_token.handle], merge_op=_MERGE_OPS[op], final_op="Id",
-        communication_hint=engine.implementation, timeout_seconds=engine.timeout))
+    return back(engine.collective_reduce(wire, kind=op, merge_op=_MERGE_OPS[op]))
 
 
 def reduce_sparse(engine, gradient, *, scale: float, compression=None):
