@@ -6,6 +6,10 @@ the class, the attribute and the leading parameters our replacement relies on. I
 one first checks that the attribute still exists with those parameters; a Keras release
 that renamed or reshaped it gives a :class:`KerasInternalsError` naming the Keras version and
 the attribute, instead of a JAX step that silently stops reducing gradients.
+The replacements are built by factories in two private modules beside this one, which only
+this module imports: ``_patches_training`` (``fit``, the epoch iterators, the train functions,
+resuming) and ``_patches_layers`` (BatchNormalization, the optimizer's compile config and
+variables, ``compile``); the registry, the checks and the installing stay here.
 
 The patches (each changes behaviour only for models compiled with a DistributedOptimizer,
 and only on the backend named):
@@ -67,14 +71,13 @@ Entry points: :func:`install` (called by every ``DistributedOptimizer``) and
 """
 
 import dataclasses
-import functools
 import importlib
 import inspect
 import sys
-import warnings
 from typing import Callable, Optional, Tuple
 
-from mgpu_launch import engines, epoch_resume, fit_guard, prefetch, runtime, stall_probes
+from mgpu_launch import _patches_layers as _layers, _patches_training as _training
+from mgpu_launch._patches_training import uses_distributed_optimizer  # noqa: F401 (public here)
 
 
 class KerasInternalsError(RuntimeError):
@@ -139,7 +142,7 @@ class Patch:
 
 
 _BATCH_NORM = "keras.src.layers.normalization.batch_normalization:BatchNormalization"
-#: name -> Patch; the factories below build each replacement from the original.
+#: name -> Patch; its factory (:data:`_FACTORIES`) builds the replacement from the original.
 PATCHES = {
     "fit": Patch("keras.src.models.model:Model", "fit",
                  ("self", "x", "y", "batch_size", "epochs", "verbose", "callbacks")),
@@ -185,22 +188,9 @@ BY_BACKEND = {
 #: every torch job would pay their extra Python frames (convert_to_tensor runs many times a step)
 FOR_CUDA_GRAPHS = ("torch_sgd_update", "torch_scalars")
 
-_distributed_class: Optional[type] = None
-# (epochs done, batches done in the next epoch) for the next training epoch to start from.
-_resume: Optional[Tuple[int, int]] = None
-
 
 def _ours(function) -> bool:
     return getattr(function, "_mgpu", False)
-
-
-def uses_distributed_optimizer(model) -> bool:
-    """Whether `model` was compiled with a DistributedOptimizer (also under a LossScaleOptimizer)."""
-    if _distributed_class is None:
-        return False
-    optimizer = getattr(model, "optimizer", None)
-    inner = getattr(optimizer, "inner_optimizer", None)
-    return isinstance(optimizer, _distributed_class) or isinstance(inner, _distributed_class)
 
 
 def apply(name: str) -> None:
@@ -231,8 +221,7 @@ def install(distributed_class: type, backend: Optional[str] = None) -> None:
     Raises:
         KerasInternalsError: a patched Keras attribute is missing or reshaped.
     """
-    global _distributed_class
-    _distributed_class = distributed_class
+    _training.set_distributed_class(distributed_class)
     if backend is None:
         import keras
         backend = keras.backend.backend()
@@ -254,9 +243,9 @@ def resume_at(epochs_done: int, batches_done: int) -> None:
         epochs_done: epochs finished before the backup (``fit`` starts at this epoch).
         batches_done: batches of that epoch finished before the backup.
     """
-    global _resume
-    _resume = (int(epochs_done), int(batches_done)) if (epochs_done or batches_done) else None
-    if _resume is not None:
+    at = (int(epochs_done), int(batches_done)) if (epochs_done or batches_done) else None
+    _training.set_resume(at)
+    if at is not None:
         apply("resume_iterator")
 
 
@@ -277,244 +266,32 @@ def install_callable_optimizer_variables() -> None:
     apply("optimizer_variables")
 
 
-# -- the replacements ----------------------------------------------------------------------------
-def _fit(original):
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def fit(self, *args, **kwargs):
-        ours = uses_distributed_optimizer(self)
-        guarded = ours and runtime.is_multi_process()
-        probed = ours and stall_probes.wanted()
-        bound = signature.bind(self, *args, **kwargs)
-        ordered = epoch_resume.keeps_its_order(bound.arguments.get("x"), bound.arguments)
-        if not (guarded or probed or ordered):
-            return original(self, *args, **kwargs)
-        bound.apply_defaults()
-        if ordered:  # shard() shuffles replayably; fit's shuffle could not be replayed
-            bound.arguments["shuffle"] = False
-        if guarded:
-            fit_guard.add_agreement_check(bound.arguments)
-        if probed:
-            stall_probes.add_probes(bound.arguments)
-        with epoch_resume.training_on(bound.arguments["x"]):
-            return original(*bound.args, **bound.kwargs)
-    return fit
-
-
-def _epoch_iterator(original):
-    # Each epoch asks the engine for the batches to prefetch; None (or depth 0) keeps Keras's.
-    def _get_iterator(self):
-        engine = engines.get_engine_or_default()
-        depth = prefetch.prefetch_depth(engine.computes_on_accelerator())
-        batches = engine.prefetch_source(self, original) if depth else None
-        if batches is None:
-            return original(self)
-        return prefetch.Prefetcher(batches, engine.prefetch_transfer(), depth)
-    return _get_iterator
-
-
-def _jax_train_function(original):
-    def make_train_function(self, force=False):
-        engine = engines.get_engine()
-        if not (uses_distributed_optimizer(self) and engine.owns_train_step()):
-            return original(self, force)
-        if self.train_function is not None and not force:
-            return
-        self.train_function = self._make_function(engine.train_function(self))
-    return make_train_function
-
-
-def _jax_state_sync(original):
-    def jax_state_sync(self):
-        if getattr(self, "_jax_state", None) and not self._jax_state_synced:
-            # Keras keeps these as TrackedLists, which jax.tree treats as leaves.
-            localize = engines.get_engine().localize
-            self._jax_state = {key: [localize(v) for v in values]
-                               for key, values in self._jax_state.items()}
-        original(self)
-    return jax_state_sync
-
-
-def _torch_ddp(original):
-    def _initialize_ddp(self):
-        if uses_distributed_optimizer(self):
-            return  # mgpu_launch reduces the gradients; DDP would do it a second time
-        original(self)
-    return _initialize_ddp
-
-
-def _tf_auto_jit(original):
-    # Keras resolves "auto" to XLA on any machine with a GPU; a step whose collectives XLA
-    # cannot compile (the host ring) would then fail at its first trace.
-    def _resolve_auto_jit_compile(self):
-        if (uses_distributed_optimizer(self) and runtime.is_multi_process()
-                and not engines.get_engine().compiles_collectives()):
-            return False
-        return original(self)
-    return _resolve_auto_jit_compile
-
-
-def _compile_config(original):
-    # Keras names a saved object's class after type(obj): without this, a saved model's
-    # optimizer is "DistributedOptimizer", which only loads where mgpu_launch is importable.
-    @functools.wraps(original)
-    def get_compile_config(self):
-        config = original(self)
-        optimizer = getattr(self, "optimizer", None)
-        if (isinstance(config, dict) and "optimizer" in config and _distributed_class
-                is not None and isinstance(optimizer, _distributed_class)):
-            config = dict(config, optimizer=optimizer.inner_config())
-        return config
-    return get_compile_config
-def _torch_train_function(original):
-    def make_train_function(self, force=False):
-        if self.train_function is not None and not force:
-            return self.train_function
-        original(self, force)
-        if uses_distributed_optimizer(self):
-            wrapped = engines.get_engine().wrap_train_function(self, self.train_function)
-            if wrapped is not self.train_function:  # capture asked for
-                for name in FOR_CUDA_GRAPHS:
-                    apply(name)
-            self.train_function = wrapped
-        return self.train_function
-    return make_train_function
-
-
-def _torch_sgd_update(original):
-    # Keras passes the rate as alpha= of _foreach_add_, a host read (.item()) every step,
-    # which a CUDA graph cannot contain. The same update with the rate as a device tensor:
-    # v <- m*v - lr*g; w <- w + v (nesterov: w <- w - lr*g + m*v). Only where the engine's
-    # graph step set the optimizer's flag; the result may differ from Keras's in the last bit
-    # (lr*g is rounded before the add instead of fused into it).
-    def _parallel_update_step(self, grads, variables, learning_rate):
-        if not getattr(self, "_mgpu_device_learning_rate", False):
-            return original(self, grads, variables, learning_rate)
-        import torch
-
-        rate = getattr(learning_rate, "value", learning_rate)
-        step = torch._foreach_mul(list(grads), -rate)
-        params = [v.value for v in variables]
-        if self.momentum == 0:
-            torch._foreach_add_(params, step)
-            return
-        velocities = [self.momentums[self._get_variable_index(v)].value for v in variables]
-        torch._foreach_mul_(velocities, self.momentum)
-        torch._foreach_add_(velocities, step)
-        if self.nesterov:
-            torch._foreach_add_(params, step)
-            torch._foreach_add_(params, velocities, alpha=self.momentum)
-        else:
-            torch._foreach_add_(params, velocities)
-    return _parallel_update_step
-
-
-def _torch_scalars(original):
-    # Keras makes a tensor of every Python number or shape tuple an op meets
-    # (torch.as_tensor(x, device=...)): a CPU tensor and a synchronous copy, which a CUDA graph
-    # cannot contain. While the engine warms up or captures a step, fill kernels make the same
-    # small constant on the device instead (same dtype rule as Keras's); at any other time,
-    # and for anything larger, Keras's own conversion runs.
-    from mgpu_launch.engines import torch_graph
-
-    def convert_to_tensor(x, dtype=None, sparse=None, ragged=None):
-        if torch_graph.scalars_on_device() and not (sparse or ragged):
-            made = torch_graph.device_constant(x, dtype)
-            if made is not None:
-                return made
-        return original(x, dtype=dtype, sparse=sparse, ragged=ragged)
-    return convert_to_tensor
-
-
-def _compile(original):
-    warned = []
-
-    @functools.wraps(original)
-    def compile(self, *args, **kwargs):
-        if "experimental_run_tf_function" in kwargs:
-            del kwargs["experimental_run_tf_function"]
-            if not warned and runtime.state.rank == 0:
-                warned.append(True)
-                warnings.warn("compile(experimental_run_tf_function=...) is a Keras 2 argument; "
-                              "Keras 3 has no such argument, so mgpu_launch.keras drops it "
-                              "(the optimizer runs inside the compiled step anyway). Remove it.",
-                              stacklevel=2)
-        return original(self, *args, **kwargs)
-    return compile
-
-
-def _resume_iterator(original):
-    def _enumerate_iterator(self):
-        global _resume
-        if _resume is None:
-            yield from original(self)
-            return
-        (epochs, skip), _resume = _resume, None
-        yield from epoch_resume.resumed_epoch(self, original, epochs, skip)
-    return _enumerate_iterator
+# -- the replacements (built in _patches_training and _patches_layers) --------------------------
+def _install_for_cuda_graphs() -> None:
+    for name in FOR_CUDA_GRAPHS:
+        apply(name)
 
 
 def _batch_norm_init(original):
-    signature = inspect.signature(original)
-    if "synchronized" not in signature.parameters:
+    # the replacement takes `synchronized` out of Keras's arguments: Keras must have it
+    if "synchronized" not in inspect.signature(original).parameters:
         raise KerasInternalsError(Patch(_BATCH_NORM, "__init__", ())._message(
             importlib.import_module("keras"), "BatchNormalization.__init__",
             "it has no `synchronized` parameter"))
-
-    @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
-        bound = signature.bind(self, *args, **kwargs)
-        synchronized = bound.arguments.pop("synchronized", False)
-        original(*bound.args, **bound.kwargs)  # Keras raises for it off TensorFlow
-        self.synchronized = synchronized
-    # Keras's Operation.__new__ reads the signature without following __wrapped__.
-    __init__.__signature__ = signature
-    return __init__
+    return _layers.batch_norm_init(original)
 
 
-def _batch_norm_moments(original):
-    def _moments(self, inputs, mask):
-        if not self.synchronized:
-            return original(self, inputs, mask)
-        from mgpu_launch import batch_statistics
-        moments = batch_statistics.synchronized_moments(inputs, self._reduction_axes, mask)
-        if moments is not None:
-            return moments
-        import keras
-        if keras.backend.backend() == "tensorflow":
-            return original(self, inputs, mask)  # Keras's: a tf.distribute strategy's, or local
-        self.synchronized = False  # Keras's local statistics (its own raise off TensorFlow)
-        try:
-            return original(self, inputs, mask)
-        finally:
-            self.synchronized = True
-    return _moments
-
-
-class _CallableList(list):
-    """A list that is also callable, returning itself (Keras 2's ``optimizer.variables()``)."""
-
-    def __call__(self):
-        return self
-
-
-class _VariablesProperty(property):
-    """A property that can carry the ``_mgpu`` / ``__wrapped__`` marks :func:`apply` sets."""
-
-
-def _optimizer_variables(original):
-    return _VariablesProperty(lambda self: _CallableList(original.fget(self)),
-                              doc=original.__doc__)
-
-
+#: name -> the factory that builds the replacement of PATCHES[name] from Keras's original
 _FACTORIES = {
-    "fit": _fit, "jax_iterator": _epoch_iterator, "torch_iterator": _epoch_iterator,
-    "tf_iterator": _epoch_iterator,
-    "jax_train_function": _jax_train_function, "jax_state_sync": _jax_state_sync,
-    "torch_ddp": _torch_ddp, "torch_train_function": _torch_train_function,
-    "torch_sgd_update": _torch_sgd_update, "torch_scalars": _torch_scalars,
-    "compile": _compile, "resume_iterator": _resume_iterator, "compile_config": _compile_config,
-    "tf_auto_jit": _tf_auto_jit, "batch_norm_init": _batch_norm_init,
-    "batch_norm_moments": _batch_norm_moments, "optimizer_variables": _optimizer_variables,
+    "fit": _training.fit, "jax_iterator": _training.epoch_iterator,
+    "torch_iterator": _training.epoch_iterator, "tf_iterator": _training.epoch_iterator,
+    "jax_train_function": _training.jax_train_function,
+    "jax_state_sync": _training.jax_state_sync, "torch_ddp": _training.torch_ddp,
+    "torch_train_function": lambda original: _training.torch_train_function(
+        original, on_capture=_install_for_cuda_graphs),
+    "torch_sgd_update": _training.torch_sgd_update, "torch_scalars": _training.torch_scalars,
+    "resume_iterator": _training.resume_iterator, "tf_auto_jit": _training.tf_auto_jit,
+    "compile": _layers.horovod_compile, "compile_config": _layers.compile_config,
+    "batch_norm_init": _batch_norm_init, "batch_norm_moments": _layers.batch_norm_moments,
+    "optimizer_variables": _layers.optimizer_variables,
 }

@@ -26,7 +26,8 @@ LAYERS = [
     ("engines", ["mgpu_launch.engines"]),
     ("Keras glue", ["mgpu_launch.fit_guard", "mgpu_launch.stall_probes",
                     "mgpu_launch.epoch_resume", "mgpu_launch.resize",
-                    "mgpu_launch.keras_patches",
+                    "mgpu_launch.keras_patches", "mgpu_launch._patches_training",
+                    "mgpu_launch._patches_layers",
                     "mgpu_launch.optimizer", "mgpu_launch.optimizer_step",
                     "mgpu_launch.callbacks", "mgpu_launch.data",
                     "mgpu_launch.batch_statistics", "mgpu_launch.layers",
@@ -154,12 +155,17 @@ def test_the_launcher_imports_nothing_of_the_library():
     assert not any(leaks.values()), leaks
 
 
+#: the registry of Keras patches and the private modules that build its replacements
+PATCH_MODULES = ("mgpu_launch.keras_patches", "mgpu_launch._patches_training",
+                 "mgpu_launch._patches_layers")
+
+
 def test_only_the_patch_module_assigns_to_keras_classes():
     # e.g. `keras.Model.fit = ...` or `JAXTrainer.make_train_function = ...` elsewhere
     keras_names = ("keras.", "Trainer", "JAXTrainer", "TorchTrainer", "EpochIterator")
     offenders = []
     for name, path in modules().items():
-        if name == "mgpu_launch.keras_patches":
+        if name in PATCH_MODULES:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Assign):
