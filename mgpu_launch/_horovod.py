@@ -163,3 +163,12 @@ QUERIES = ["mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "g
 OPS = ["Average", "Sum", "Min", "Max", "Product", "Adasum"]
 __all__ = QUERIES + OPS + ["HorovodNotSupported", "global_process_set", "namespace_getattr",
                            "reject", "check_op", "check_process_set", "NOT_PROVIDED"]
+
+
+def local_layer_weights(local_layers) -> List:
+    """The trainable weights of `local_layers` (one layer, a list of layers, or None): what
+    Horovod's Partial* wrappers keep per rank."""
+    if local_layers is None:
+        return []
+    layers = list(local_layers) if isinstance(local_layers, (list, tuple)) else [local_layers]
+    return [weight for layer in layers for weight in layer.trainable_weights]

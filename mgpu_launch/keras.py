@@ -299,11 +299,8 @@ def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sp
         backward_passes_per_step=backward_passes_per_step,
         average_aggregated_gradients=average_aggregated_gradients, groups=groups,
         process_set=process_set, scale_local_gradients=scale_local_gradients)
-    layers = [] if local_layers is None else (
-        list(local_layers) if isinstance(local_layers, (list, tuple)) else [local_layers])
-    for layer in layers:
-        for weight in layer.trainable_weights:
-            distributed.register_local_var(weight)
+    for weight in _horovod.local_layer_weights(local_layers):
+        distributed.register_local_var(weight)
     return distributed
 
 

@@ -150,9 +150,6 @@ def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="",
     tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression,
                                    sparse_as_dense, op, gradient_predivide_factor, num_groups,
                                    groups, process_set, scale_local_gradients)
-    layers = [] if local_layers is None else (
-        list(local_layers) if isinstance(local_layers, (list, tuple)) else [local_layers])
-    for layer in layers:
-        for weight in layer.trainable_weights:
-            tape.register_local_source(weight)
+    for weight in _horovod.local_layer_weights(local_layers):
+        tape.register_local_source(weight)
     return tape
