@@ -22,8 +22,10 @@ own runtime, optimizer and callbacks. Differences, all listed in docs/horovod-mi
   when called eagerly, on every backend, and return a tensor of the Keras backend; inside a
   ``tf.function`` (TensorFlow backend) they are TensorFlow's in-graph collectives
   (``mgpu_launch.tensorflow``).
+- ``elastic`` (``KerasState``, its callbacks, ``run``) is restart-based: a commit is a step
+  backup on disk (``mgpu_launch.elastic`` says what differs from Horovod's rollback).
 - Not provided: Adasum, process sets other than the global one, explicit gradient groups,
-  ``elastic``, the timeline. Every such name raises ``HorovodNotSupported`` (an
+  the timeline. Every such name raises ``HorovodNotSupported`` (an
   AttributeError) saying what to do instead (``mgpu_launch._horovod``); refused arguments a
   ValueError.
 """
@@ -36,6 +38,7 @@ import keras
 import numpy as np
 
 from mgpu_launch import _horovod, collectives, engines, keras_patches, runtime
+from mgpu_launch import elastic  # noqa: F401 - hvd.elastic.KerasState, hvd.elastic.run
 from mgpu_launch import _keras_callbacks as callbacks, launch as _launch
 from mgpu_launch import optimizer as _optimizer, tensorflow_ops
 from mgpu_launch._horovod import (Adasum, Average, Sum, ccl_built, cuda_built, ddl_built,

@@ -34,7 +34,7 @@ LAYERS = [
                     "mgpu_launch._horovod", "mgpu_launch._keras_callbacks",
                     "mgpu_launch.tensorflow_ops", "mgpu_launch.tensorflow_tape",
                     "mgpu_launch.tensorflow",
-                    "mgpu_launch.keras"]),
+                    "mgpu_launch.elastic", "mgpu_launch.keras"]),
     ("tools and public API", ["mgpu_launch.bench", "mgpu_launch"]),
 ]
 

@@ -8,7 +8,7 @@ import re
 import shutil
 import tempfile
 import warnings
-from typing import List, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import keras
 
@@ -202,13 +202,15 @@ class BackupAndRestore(keras.callbacks.Callback):
         if epoch + 1 < (self.params or {}).get("epochs", 0):  # after the last: just finish
             resize.stop_here_if_asked(f"backup after epoch {epoch + 1}")
 
-    def _save(self, position: Tuple[int, int]) -> None:
+    def _save(self, position: Tuple[int, int], extra: Optional[dict] = None) -> None:
+        # extra: more JSON-able entries for the backup's state (mgpu_launch.elastic.KerasState's)
         if not _is_chief():
             return
         epochs, batches = position
         name = f"epoch-{epochs}" + (f"-batch-{batches}" if batches else "") + ".weights.h5"
         state = epoch_resume.backup_state(batches, runtime.size() if runtime.is_initialized()
                                           else 1, (self.params or {}).get("steps"))
+        state.update(extra or {})
         save_atomically(self.model, os.path.join(self.backup_dir, name), weights_only=True,
                         attributes={_STATE: json.dumps(state)})
         for _, old in self._backups()[self.keep:]:
