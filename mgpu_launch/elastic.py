@@ -174,6 +174,8 @@ def run(func: Callable) -> Callable:
         result = func(state, *args, **kwargs)
         if _is_chief():
             shutil.rmtree(state.backup_dir, ignore_errors=True)
+        if runtime.is_multi_process():
+            collectives.barrier()  # no rank returns while the commits may still be there
         return result
     return wrapper
 

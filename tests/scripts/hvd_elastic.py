@@ -48,7 +48,7 @@ def on_state_reset():
     state.model.optimizer.learning_rate = 0.1 * hvd.size()
 
 
-state = hvd.elastic.KerasState(model, batch=0, epoch=0, note="tiny")
+state = hvd.elastic.KerasState(model, backup_dir=state_dir, batch=0, epoch=0, note="tiny")
 state.register_reset_callbacks([on_state_reset])
 callbacks = [hvd.elastic.UpdateEpochStateCallback(state),
              hvd.elastic.UpdateBatchStateCallback(state),
