@@ -8,8 +8,11 @@ import pytest
 from conftest import SCRIPTS, explain, launch, requires_mpirun
 
 BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
-pytestmark = [requires_mpirun, pytest.mark.skipif(
-    BACKEND != "tensorflow", reason="horovod.tensorflow's names: TensorFlow only")]
+if BACKEND != "tensorflow":
+    # Before any TensorFlow import: TF loaded in the pytest process aborts torch's (triton's)
+    # import later in the same process (seen in CI's torch phase).
+    pytest.skip("horovod.tensorflow's names: TensorFlow only", allow_module_level=True)
+pytestmark = requires_mpirun
 pytest.importorskip("tensorflow")
 
 EXPECTED = {  # rank -> the collectives' results, the same eagerly and inside a tf.function
