@@ -156,31 +156,33 @@ def allgather_rows(engine, tensors: Sequence[Any]) -> List[Any]:
     return results
 
 
-def broadcast(engine, tensor, root_rank: int):
-    """Rank `root_rank`'s `tensor` on every rank (same shape and dtype everywhere)."""
+def _elementwise(engine, tensor, on_host, in_graph):
+    """The path broadcast and reduce share: identity on one rank, `on_host(tensor)` on the MPI
+    transport, else `in_graph` on the tensor in a dtype the collectives take, cast back."""
     tf = _tf()
     tensor = tf.convert_to_tensor(tensor)
     if engine.size == 1:
         return tf.identity(tensor)
     if engine.transport == "mpi":
-        return _mpi_broadcast(engine, tensor, root_rank)
+        return on_host(tensor)
     engine._check_not_xla()
-    wire, back = _to_wire(tensor, _REDUCIBLE)
-    mine = wire if runtime.state.rank == root_rank else tf.zeros_like(wire)
-    return back(engine.collective_reduce(mine, kind="bcast"))
+    wire, back = _to_wire(tensor, _REDUCIBLE)  # value-preserving casts: the op is unchanged
+    return back(in_graph(wire))
+
+
+def broadcast(engine, tensor, root_rank: int):
+    """Rank `root_rank`'s `tensor` on every rank (same shape and dtype everywhere)."""
+    def in_graph(wire):
+        mine = wire if runtime.state.rank == root_rank else _tf().zeros_like(wire)
+        return engine.collective_reduce(mine, kind="bcast")
+    return _elementwise(engine, tensor, lambda t: _mpi_broadcast(engine, t, root_rank), in_graph)
 
 
 def reduce(engine, tensor, op: str):
     """`tensor` combined over the ranks elementwise by `op`: "sum", "min", "max" or "product"."""
-    tf = _tf()
-    tensor = tf.convert_to_tensor(tensor)
-    if engine.size == 1:
-        return tf.identity(tensor)
-    if engine.transport == "mpi":
-        return _mpi_reduce(engine, tensor, op)
-    engine._check_not_xla()
-    wire, back = _to_wire(tensor, _REDUCIBLE)  # value-preserving casts: the op is unchanged
-    return back(engine.collective_reduce(wire, kind=op, merge_op=_MERGE_OPS[op]))
+    return _elementwise(engine, tensor, lambda t: _mpi_reduce(engine, t, op),
+                        lambda wire: engine.collective_reduce(wire, kind=op,
+                                                              merge_op=_MERGE_OPS[op]))
 
 
 def reduce_sparse(engine, gradient, *, scale: float, compression=None):
