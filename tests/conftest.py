@@ -67,3 +67,15 @@ def daemons_up(script, directory, needs):
         yield
     finally:
         subprocess.run([script, "down", str(directory)], timeout=60)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """A 2-node cluster (tests/clusterkit.py) for the session; torn down after it (also on
+    failure and Ctrl-C)."""
+    from clusterkit import CLUSTER_SH, Cluster
+
+    directory = tmp_path_factory.mktemp("cluster")
+    with daemons_up(CLUSTER_SH, directory,
+                    "root, network namespaces and scripts/install_cluster_deps.sh"):
+        yield Cluster(directory)

@@ -16,65 +16,19 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
-from conftest import ROOT, SCRIPTS, daemons_up, explain, job_env
+from clusterkit import NODE_OF
+from conftest import SCRIPTS, explain
 
 pytestmark = pytest.mark.cluster
 
-CLUSTER_SH = os.path.join(ROOT, "scripts", "cluster.sh")
 REPORT = os.path.join(SCRIPTS, "report.py")
 FAIL = os.path.join(SCRIPTS, "fail.py")
 HOSTS = ("-np", "4", "-H", "node1:2,node2:2")
-#: rank -> node with -H node1:2,node2:2 (Open MPI fills each host's slots in order)
-NODE_OF = {0: "node1", 1: "node1", 2: "node2", 3: "node2"}
-
-
-class Cluster:
-    """A running scripts/cluster.sh cluster: run commands on its nodes, list their processes."""
-
-    def __init__(self, directory):
-        self.directory = str(directory)
-
-    def command(self, node, *argv):
-        return [CLUSTER_SH, "exec", self.directory, node, *argv]
-
-    def mgpu_train(self, *argv, timeout=300, **env):
-        """Run ``mgpu-train argv...`` on node1; returns the CompletedProcess."""
-        return subprocess.run(self.command("node1", sys.executable, "-m", "mgpu_launcher", *argv),
-                              cwd=ROOT, env=job_env(**env), capture_output=True, text=True,
-                              timeout=timeout)
-
-    def leftovers(self):
-        """Every process still running on either node, besides its sshd (``ps`` lines)."""
-        found = []
-        for node in ("node1", "node2"):
-            pids = subprocess.run([CLUSTER_SH, "pids", self.directory, node], check=True,
-                                  capture_output=True, text=True, timeout=30).stdout.split()
-            if pids:
-                ps = subprocess.run(["ps", "-o", "pid,args", "-p", ",".join(pids)],
-                                    capture_output=True, text=True, timeout=30).stdout
-                found += [f"{node}: {line}" for line in ps.splitlines()[1:]]
-        return found
-
-    def wait_until_empty(self, seconds=15):
-        deadline = time.monotonic() + seconds
-        while (left := self.leftovers()) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        return left
-
-
-@pytest.fixture(scope="session")
-def cluster(tmp_path_factory):
-    """A 2-node cluster for the session; torn down after it (also on failure and Ctrl-C)."""
-    directory = tmp_path_factory.mktemp("cluster")
-    with daemons_up(CLUSTER_SH, directory,
-                    "root, network namespaces and scripts/install_cluster_deps.sh"):
-        yield Cluster(directory)
 
 
 def _reports(directory, size):
@@ -163,11 +117,7 @@ def test_a_failing_rank_on_node2_ends_the_job_on_both_nodes(cluster, tmp_path, h
 
 def test_ctrl_c_on_the_launcher_cleans_both_nodes(cluster, tmp_path):
     pidfile = str(tmp_path / "pid")
-    proc = subprocess.Popen(
-        cluster.command("node1", sys.executable, "-m", "mgpu_launcher", *HOSTS,
-                        FAIL, "hang", "99", pidfile),
-        cwd=ROOT, env=job_env(MGPU_ENGINE="none"), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+    proc = cluster.start_mgpu_train(*HOSTS, FAIL, "hang", "99", pidfile, MGPU_ENGINE="none")
     try:
         deadline = time.monotonic() + 90
         while len(glob.glob(pidfile + ".*")) < 4:

@@ -2,25 +2,31 @@
 
     mgpu-train -np N resize_ids.py BACKUP_DIR OUT_DIR [KILL_EPOCH KILL_BATCH]
 
-64 samples (RESIZE_SAMPLES), mgpu.data.shard(batch_size=4, shuffle=True), 3 epochs, BackupAndRestore every 3
-batches. With KILL_EPOCH KILL_BATCH (0-based), the last rank SIGKILLs itself at the end of that
+64 samples (RESIZE_SAMPLES) of 5 random features, mgpu.data.shard(batch_size=4 (RESIZE_BATCH),
+shuffle=True), 3 epochs (RESIZE_EPOCHS), BackupAndRestore every 3 batches. RESIZE_DATA=digits: the first RESIZE_SAMPLES of
+scikit-learn's 8x8 digits instead (a 64-128-10 classifier, learning rate scale_lr(0.02)), and rank
+0 also logs the accuracy on the last 360 images (held out) when training ends. With KILL_EPOCH KILL_BATCH (0-based), the last rank SIGKILLs itself at the end of that
 batch, in the first attempt only (MGPU_RESTART_COUNT 0 or unset). With RESIZE_STEP_SECONDS, every
 step sleeps that long (an elastic test's job lasts while hosts come and go). Each rank writes
-OUT_DIR/attempt.A.rank.R.json as it trains: the size, the backup it resumed from (file names
+OUT_DIR/attempt.A.rank.R.json as it trains: the size, its host name, the backup it resumed from (file names
 in BACKUP_DIR when training began), and for every trained step its epoch,
 batch and the ids of the samples it trained on; at the end also the optimizer's step count and
 learning rate, and the final weights (attempt.A.rank.R.npz); and its pid in OUT_DIR/pid.A.R.
+Whether mgpu-train's resize signal reached the rank is logged as it leaves (also when it stops for
+a resize).
 """
 
 import json
 import os
 import signal
+import socket
 import sys
 import time
 
 import numpy as np
 
 import mgpu_launch as mgpu
+from mgpu_launcher import worker
 
 mgpu.init()
 import keras  # noqa: E402
@@ -31,13 +37,31 @@ backup_dir, out = sys.argv[1], sys.argv[2]
 attempt = os.environ.get("RESIZE_ATTEMPT") or os.environ.get("MGPU_RESTART_COUNT", "0")
 kill = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 4 and attempt == "0" else None
 pause = float(os.environ.get("RESIZE_STEP_SECONDS", "0"))
-rng = np.random.default_rng(7)  # the same data on every rank: shard() splits it
 samples = int(os.environ.get("RESIZE_SAMPLES", "64"))
-x = rng.normal(size=(samples, 5)).astype("float32")
-y = rng.integers(0, 3, size=samples)
+digits = os.environ.get("RESIZE_DATA") == "digits"
+if digits:
+    from sklearn.datasets import load_digits
+
+    images = load_digits()
+    order = np.random.default_rng(0).permutation(len(images.target))
+    x_all = (images.data[order] / 16.0).astype("float32")
+    y_all = images.target[order].astype("int32")
+    x, y, x_val, y_val = x_all[:samples], y_all[:samples], x_all[-360:], y_all[-360:]
+    keras.utils.set_random_seed(42)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(128, activation="relu"),
+                              keras.layers.Dense(10)])
+    model.compile(optimizer=mgpu.DistributedOptimizer(
+        keras.optimizers.SGD(mgpu.scale_lr(0.02), momentum=0.9)),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"])
+else:
+    rng = np.random.default_rng(7)  # the same data on every rank: shard() splits it
+    x = rng.normal(size=(samples, 5)).astype("float32")
+    y = rng.integers(0, 3, size=samples)
+    model = tiny_model.compiled(keras, mgpu)
 id_of = {row.tobytes(): i for i, row in enumerate(x)}
-model = tiny_model.compiled(keras, mgpu)
-train = mgpu.data.shard((x, y), batch_size=4, shuffle=True, seed=3)
+train = mgpu.data.shard((x, y), batch_size=int(os.environ.get("RESIZE_BATCH", "4")), shuffle=True,
+                        seed=3)
 fetched = {}
 
 
@@ -52,7 +76,7 @@ train.__class__ = Recorded
 path = os.path.join(out, f"attempt.{attempt}.rank.{mgpu.rank()}")
 with open(os.path.join(out, f"pid.{attempt}.{mgpu.rank()}"), "w") as f:
     f.write(str(os.getpid()))
-log = {"size": mgpu.size(), "trained": []}
+log = {"size": mgpu.size(), "host": socket.gethostname(), "trained": []}
 
 
 def write():
@@ -78,9 +102,15 @@ class Trace(keras.callbacks.Callback):
         time.sleep(pause)
 
 
-model.fit(train, epochs=3, verbose=0,
-          # Trace first: it logs a step before a backup point can end the program (a resize)
-          callbacks=[Trace(), mgpu.callbacks.BackupAndRestore(backup_dir, save_freq=3)])
+try:
+    model.fit(train, epochs=int(os.environ.get("RESIZE_EPOCHS", "3")), verbose=0,
+              # Trace first: it logs a step before a backup point can end the program (a resize)
+              callbacks=[Trace(), mgpu.callbacks.BackupAndRestore(backup_dir, save_freq=3)])
+finally:  # also when the job stops for a resize (SystemExit at a backup point)
+    log["resize_signal"] = worker.resize_requested()
+    write()
+if digits:
+    log["accuracy"] = float(model.evaluate(x_val, y_val, verbose=0)[1])
 log["iterations"] = int(keras.ops.convert_to_numpy(model.optimizer.iterations))
 log["learning_rate"] = float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
 np.savez(path + ".npz", *model.get_weights())
