@@ -47,10 +47,18 @@ def test_a_job_resumed_with_another_size_uses_every_sample_of_the_epoch_once(
                     RESIZE_ATTEMPT="1", **ENV)
     assert result.returncode == 0, explain(result)
     processes = {1: "1 process", 2: "2 processes"}
+    factor = after / before
     assert (f"{resumed} from {backup} (backed up by {processes[before]} after "
             f"{4 * (3 if before == 1 else 6)} samples of the epoch's order; now "
-            f"{processes[after]}, learning rate 0.1 -> {0.1 * after / before:g})"
-            in result.stdout), explain(result)
+            f"{processes[after]}, learning rate 0.1 -> {0.1 * factor:g}, momentum buffers x "
+            f"{factor:g})" in result.stdout), explain(result)
+    # momentum correction (Goyal et al.): the velocity backed up after the step the backup
+    # followed, scaled with the learning rate
+    first = elastickit.attempts(out)[0][0]
+    steps = [tuple(step[:2]) for step in first["trained"]]
+    backed_up = first["velocity"][steps.index((1, 2))]  # epoch-1-batch-3: after batch 2
+    assert elastickit.attempts(out)[1][0]["velocity_at_start"] == pytest.approx(
+        backed_up * factor, rel=1e-5)
     assert elastickit.sizes(out) == [before, after]
     used = elastickit.used_samples(out, epoch=1)
     _once_each(used, dropped_below=after * 4)
@@ -218,8 +226,8 @@ def test_an_elastic_job_goes_on_without_a_lost_host_and_grows_back(tmp_path):
                                "stopped at its backup after ") for line in lines), stderr
     assert ("resuming at epoch 2, batch 7 from " in stdout
             and "(backed up by 4 processes after 48 samples of the epoch's order; now 2 "
-                "processes, learning rate 0.1 -> 0.05)" in stdout), stdout
-    assert "now 4 processes, learning rate 0.05 -> 0.1)" in stdout, stdout
+                "processes, learning rate 0.1 -> 0.05, momentum buffers x 0.5)" in stdout), stdout
+    assert "now 4 processes, learning rate 0.05 -> 0.1, momentum buffers x 2)" in stdout, stdout
     # every epoch, also those the kill and the grow cut: each sample once, but for a remainder
     # smaller than one step of 4 processes (when the grow came mid-epoch)
     for epoch in range(3):

@@ -14,7 +14,7 @@ import keras
 
 from mgpu_launch import collectives, engines, epoch_resume, keras_patches, resize, runtime
 from mgpu_launch.callbacks.io import _is_chief, read_attributes, save_atomically
-from mgpu_launch.callbacks.schedule import lr_target
+from mgpu_launch.callbacks.schedule import lr_target, velocity_slots
 from mgpu_launch.callbacks.sync import model_state_variables
 
 # epoch-<epochs done>.weights.h5, or epoch-<epochs done>-batch-<batches done>.weights.h5
@@ -63,6 +63,10 @@ class BackupAndRestore(keras.callbacks.Callback):
             see docs/fault-tolerance.md), multiply the restored learning rate by
             ``size() / old size``, as ``mgpu.scale_lr`` scales it. A ``LearningRateSchedule``
             is not restored (your script builds it again) and is left alone.
+        momentum_correction: when ``rescale_lr`` changes the rate, scale the restored momentum
+            buffers (SGD's, RMSprop's) by the same factor (Goyal et al.): Keras keeps the rate
+            inside the velocity (``v = momentum * v - lr * g``), so the first steps after the
+            resize then move as the new rate says instead of at the old one's speed.
 
     Each backup also records the writer's size and, for ``mgpu.data.shard`` data, the global
     position in the epoch's order, so a job restarted with another number of processes
@@ -76,7 +80,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     """
 
     def __init__(self, backup_dir: str, save_freq: Union[str, int] = "epoch", keep: int = 1,
-                 delete_checkpoint: bool = True, rescale_lr: bool = True):
+                 delete_checkpoint: bool = True, rescale_lr: bool = True,
+                 momentum_correction: bool = True):
         super().__init__()
         if not backup_dir:
             raise ValueError("BackupAndRestore: backup_dir is empty; give a folder path")
@@ -89,6 +94,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                              f"keep, an integer >= 1")
         self.backup_dir, self.save_freq, self.keep = backup_dir, save_freq, keep
         self.delete_checkpoint, self.rescale_lr = delete_checkpoint, rescale_lr
+        self.momentum_correction = momentum_correction
         self._epoch = self._done_in_epoch = self._resumed_batches = 0
         self._batches_since_save = 0
         if save_freq != "epoch":
@@ -179,7 +185,20 @@ class BackupAndRestore(keras.callbacks.Callback):
             return ""  # a schedule: built again by the script, for this size
         old = float(keras.ops.convert_to_numpy(target.learning_rate))
         target.learning_rate = old * factor
-        return f"learning rate {old:g} -> {old * factor:g}"
+        note = f"learning rate {old:g} -> {old * factor:g}"
+        if not self.momentum_correction:
+            return note
+        try:
+            velocities = velocity_slots(self.model.optimizer)
+        except ValueError:
+            warnings.warn(f"BackupAndRestore: the learning rate changed by {factor:g} with the "
+                          f"size, but {type(self.model.optimizer).__name__}'s momentum cannot "
+                          f"be corrected (no known velocity slots); it is restored as it was. "
+                          f"Pass momentum_correction=False to silence this.", stacklevel=2)
+            return note
+        for velocity in velocities:
+            velocity.assign(velocity * factor)
+        return note + (f", momentum buffers x {factor:g}" if velocities else "")
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch

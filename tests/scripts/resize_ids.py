@@ -3,17 +3,21 @@
     mgpu-train -np N resize_ids.py BACKUP_DIR OUT_DIR [KILL_EPOCH KILL_BATCH]
 
 64 samples (RESIZE_SAMPLES) of 5 random features, mgpu.data.shard(batch_size=4 (RESIZE_BATCH),
-shuffle=True), 3 epochs (RESIZE_EPOCHS), BackupAndRestore every 3 batches. RESIZE_DATA=digits: the first RESIZE_SAMPLES of
-scikit-learn's 8x8 digits instead (a 64-128-10 classifier, learning rate scale_lr(0.02)), and rank
-0 also logs the accuracy on the last 360 images (held out) when training ends. With KILL_EPOCH KILL_BATCH (0-based), the last rank SIGKILLs itself at the end of that
-batch, in the first attempt only (MGPU_RESTART_COUNT 0 or unset). With RESIZE_STEP_SECONDS, every
-step sleeps that long (an elastic test's job lasts while hosts come and go). Each rank writes
-OUT_DIR/attempt.A.rank.R.json as it trains: the size, its host name, the backup it resumed from (file names
-in BACKUP_DIR when training began), and for every trained step its epoch,
-batch and the ids of the samples it trained on; at the end also the optimizer's step count and
-learning rate, and the final weights (attempt.A.rank.R.npz); and its pid in OUT_DIR/pid.A.R.
-Whether mgpu-train's resize signal reached the rank is logged as it leaves (also when it stops for
-a resize).
+shuffle=True), 3 epochs (RESIZE_EPOCHS), BackupAndRestore every 3 batches. RESIZE_DATA=digits:
+the first RESIZE_SAMPLES of scikit-learn's 8x8 digits instead (a 64-128-10 classifier, learning
+rate scale_lr(0.02)), and every rank also logs the accuracy on the last 360 images (held out)
+when training ends.
+
+With KILL_EPOCH KILL_BATCH (0-based), the last rank SIGKILLs itself at the end of that batch, in
+the first attempt only (MGPU_RESTART_COUNT 0 or unset). With RESIZE_STEP_SECONDS, every step
+sleeps that long (an elastic test's job lasts while hosts come and go).
+
+Each rank writes OUT_DIR/attempt.A.rank.R.json as it trains: the size, its host name, the backup
+it resumed from (file names in BACKUP_DIR when training began), for every trained step its
+epoch, batch and the ids of the samples it trained on, and the sum of |momentum buffers| after
+each step and before the first (as restored); as it leaves (also when it stops for a resize),
+whether mgpu-train's resize signal reached it; at the end the optimizer's step count and
+learning rate, and the final weights (attempt.A.rank.R.npz). Its pid goes to OUT_DIR/pid.A.R.
 """
 
 import json
@@ -26,6 +30,7 @@ import time
 import numpy as np
 
 import mgpu_launch as mgpu
+from mgpu_launch.callbacks.schedule import velocity_slots
 from mgpu_launcher import worker
 
 mgpu.init()
@@ -74,6 +79,14 @@ class Recorded(type(train)):
 
 train.__class__ = Recorded
 path = os.path.join(out, f"attempt.{attempt}.rank.{mgpu.rank()}")
+
+
+def velocity():
+    """Sum of |momentum buffers| of the optimizer."""
+    return float(sum(np.abs(keras.ops.convert_to_numpy(v)).sum()
+                     for v in velocity_slots(model.optimizer)))
+
+
 with open(os.path.join(out, f"pid.{attempt}.{mgpu.rank()}"), "w") as f:
     f.write(str(os.getpid()))
 log = {"size": mgpu.size(), "host": socket.gethostname(), "trained": []}
@@ -94,8 +107,12 @@ class Trace(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
 
+    def on_train_batch_begin(self, batch, logs=None):
+        log.setdefault("velocity_at_start", velocity())  # as restored (and corrected)
+
     def on_train_batch_end(self, batch, logs=None):
         log["trained"].append([self.epoch, batch, fetched[(train.epoch, batch)]])
+        log.setdefault("velocity", []).append(velocity())  # what a backup after it holds
         write()
         if kill == (self.epoch, batch) and mgpu.rank() == mgpu.size() - 1:
             os.kill(os.getpid(), signal.SIGKILL)
