@@ -28,9 +28,13 @@ class SettingError(ValueError):
     """An ``MGPU_*`` variable has a value that does not parse; the message names the variable,
     the value received, what is expected and an example."""
 
+    __module__ = "mgpu_launcher.settings"  # where users import it from (tracebacks say so)
+
 
 class SettingWarning(UserWarning):
     """An ``MGPU_*`` variable that no part of mgpu-launch reads (a typo?)."""
+
+    __module__ = "mgpu_launcher.settings"
 
 
 @dataclasses.dataclass(frozen=True)
