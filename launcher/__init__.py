@@ -10,6 +10,8 @@ Modules:
     discovery     running and checking the discovery script; the host blacklist
     worker        running the user's program in-process as one rank
     envreport     ``mgpu-train --env``
+    settings      every MGPU_* variable (declared in _settings_table): checked readers, the
+                  start-up check, ``--env``'s listing, docs/settings.md
 
 Environment each worker's program receives (besides what its MPI launcher sets):
 

@@ -22,8 +22,8 @@ import shlex
 import sys
 from typing import List, Optional, Sequence, Tuple
 
-from mgpu_launcher import (__version__, devices, elastic, environments, mpirun, supervisor,
-                           worker)
+from mgpu_launcher import (__version__, devices, elastic, environments, mpirun, settings,
+                           supervisor, worker)
 
 PROG = "mgpu-train"
 
@@ -68,6 +68,7 @@ class Config:
     dry_run: bool = False
     env_report: bool = False
     max_restarts: int = 0
+    merge_window: Optional[float] = None  # MGPU_MERGE_SECONDS (None: merge.DEFAULT_WINDOW)
     elastic_options: Optional[elastic.Options] = None  # --host-discovery-script given
 
 
@@ -106,7 +107,8 @@ def get_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="do not pin GPU local_rank to each process")
     parser.add_argument("--env", dest="env_report", action="store_true",
-                        help="print versions, GPUs and the detected environment, then exit")
+                        help="print versions, GPUs, the detected environment and the MGPU_* "
+                             "settings, then exit")
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     return parser
 
@@ -150,25 +152,26 @@ def _parse_np(value: Optional[str]) -> Optional[int]:
     return np
 
 
-def _non_negative(value: str, convert, what: str, expected: str):
-    """`value` as convert(value) when that is >= 0, else a UsageError naming `what`."""
-    try:
-        number = convert(value)
-    except ValueError:
-        number = -1
-    if number < 0:
-        raise UsageError(f"{what}: expected {expected}")
-    return number
-
-
 def _parse_max_restarts(value: Optional[str]) -> int:
-    source = "--max-restarts"
     if value is None:
-        value, source = os.environ.get("MGPU_MAX_RESTARTS", "").strip(), "MGPU_MAX_RESTARTS"
-        if value == "":
-            return 0
-    return _non_negative(value, int, f"{source} {value!r}",
-                         "a whole number of restarts >= 0, e.g. --max-restarts 3")
+        return settings.integer("MGPU_MAX_RESTARTS")
+    try:
+        count = int(value)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise UsageError(f"--max-restarts {value!r}: expected a whole number of restarts >= 0, "
+                         f"e.g. --max-restarts 3")
+    return count
+
+
+def _check_settings(forward: Sequence[str]) -> None:
+    """Every MGPU_* variable (set here, or by -x NAME=VALUE) has a good value."""
+    given = dict(item.partition("=")[::2] for item in forward if "=" in item)
+    try:
+        settings.check({**os.environ, **given})
+    except settings.SettingError as error:
+        raise UsageError(str(error)) from None
 
 
 def _check_hosts(hosts: str) -> None:
@@ -217,7 +220,7 @@ def _check_keras_backend(forward: Sequence[str]) -> None:
         if name == "KERAS_BACKEND" and has_value:
             value = given
     if value is not None and value not in KERAS_BACKENDS and \
-            os.environ.get("MGPU_ENGINE", "").strip().lower() != "none":
+            settings.choice("MGPU_ENGINE") != "none":
         raise UsageError(f"KERAS_BACKEND={value!r} is not a backend mgpu-launch runs; expected "
                          f"one of {', '.join(KERAS_BACKENDS)}, e.g. KERAS_BACKEND=jax (unset, "
                          f"Keras uses tensorflow)")
@@ -232,6 +235,9 @@ def parse_args(argv: Sequence[str]) -> Config:
     parser = get_parser()
     own, kind, target, args = split_argv(parser, argv)
     options = parser.parse_args(own)
+    if options.env_report:  # prints the report, runs nothing (and shows bad settings)
+        return Config(kind=kind, target=target, args=tuple(args), np=None, env_report=True)
+    _check_settings(options.forward)
     np = _parse_np(options.np)
     max_restarts = _parse_max_restarts(options.max_restarts)
     if options.hosts:
@@ -252,7 +258,7 @@ def parse_args(argv: Sequence[str]) -> Config:
     if np is None and given:
         raise UsageError(f"{', '.join(given)} only apply when mgpu-train starts the job: add "
                          f"-np N (under mpirun or srun, use their own options instead)")
-    if kind is None and not options.env_report:
+    if kind is None:
         raise UsageError("no program to run: give a script, -m module or -c code, "
                          f"e.g. {PROG} -np 2 train.py")
     if kind == "script":
@@ -273,15 +279,15 @@ def parse_args(argv: Sequence[str]) -> Config:
     if grow and (options.hosts or options.hostfile):
         raise UsageError("--host-discovery-script lists the hosts: leave out --hosts and "
                          "--hostfile")
-    if grow and options.max_restarts is None and not os.environ.get("MGPU_MAX_RESTARTS"):
+    if grow and options.max_restarts is None and not settings.is_set("MGPU_MAX_RESTARTS"):
         max_restarts = elastic.DEFAULT_MAX_RESTARTS
     return Config(kind=kind, target=target, args=tuple(args), np=np, hosts=options.hosts,
                   hostfile=options.hostfile, mpirun=options.mpirun,
                   mpirun_args=tuple(shlex.split(options.mpirun_args)),
                   forward=tuple(options.forward), output_dir=options.output_dir,
                   all_ranks_output=options.all_ranks_output, pin=options.pin,
-                  dry_run=options.dry_run, env_report=options.env_report,
-                  max_restarts=max_restarts, elastic_options=grow)
+                  dry_run=options.dry_run, max_restarts=max_restarts, elastic_options=grow,
+                  merge_window=settings.seconds("MGPU_MERGE_SECONDS"))
 
 
 def worker_command(config: Config) -> List[str]:
@@ -333,15 +339,16 @@ def run(config: Config) -> int:
         from mgpu_launcher import envreport
         print(envreport.report())
         return 0
-    if config.np is None:
+    if config.np is None:  # warns about unknown settings on rank 0
         return worker.run(config.kind, config.target, config.args, pin=config.pin)
+    settings.warn_unknown(emit=lambda text: print(f"{PROG}: warning: {text}", file=sys.stderr))
     if config.elastic_options is not None:
         return elastic.run_job(
             config.elastic_options,
             lambda np, hosts: build_job(dataclasses.replace(
                 config, np=np, hosts=hosts, forward=config.forward + ("MGPU_ELASTIC=1",))),
             all_ranks=config.all_ranks_output, output_dir=config.output_dir,
-            merge_window=merge_window(), max_restarts=config.max_restarts,
+            merge_window=config.merge_window, max_restarts=config.max_restarts,
             dry_run=config.dry_run)
     command, flavour, env = build_job(config)
     if config.dry_run:
@@ -360,13 +367,12 @@ def run_with_restarts(config: Config, command: List[str], flavour: mpirun.Flavou
     the same error would come back every time). Returns the last attempt's exit status.
     """
     attempts = config.max_restarts + 1
-    window = merge_window()
     for attempt in range(1, attempts + 1):
         env["MGPU_RESTART_COUNT"] = str(attempt - 1)
         outcome = supervisor.supervise(
             command, flavour, all_ranks=config.all_ranks_output, output_dir=config.output_dir,
             env=env, attempt=(attempt, attempts) if attempts > 1 else None, size=config.np,
-            merge_window=window)
+            merge_window=config.merge_window)
         if outcome.status == 0 or outcome.stopped_by is not None or attempt == attempts:
             return outcome.status
         if not outcome.progressed:
@@ -382,16 +388,6 @@ def run_with_restarts(config: Config, command: List[str], flavour: mpirun.Flavou
               f"attempt {attempt} failed ({why}); every process of it is gone.",
               file=sys.stderr, flush=True)
     return outcome.status
-
-
-def merge_window() -> Optional[float]:
-    """MGPU_MERGE_SECONDS: how long a stderr line waits for other ranks' copies (0: off)."""
-    value = os.environ.get("MGPU_MERGE_SECONDS")
-    if value is None:
-        return None
-    return _non_negative(value, float, f"MGPU_MERGE_SECONDS={value!r}",
-                         "a number of seconds >= 0 (0 turns merging off), "
-                         "e.g. MGPU_MERGE_SECONDS=3")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

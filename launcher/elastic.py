@@ -31,12 +31,12 @@ import threading
 import time
 from typing import Callable, Optional, Set
 
-from mgpu_launcher import discovery, supervisor
+from mgpu_launcher import discovery, settings, supervisor
 from mgpu_launcher.worker import ELASTIC_VARIABLE, RESIZE_SIGNAL
 
 PROG = "mgpu-train"
-DEFAULT_TIMEOUT_S = 600.0
-DEFAULT_COOLDOWN_S = 60.0
+DEFAULT_TIMEOUT_S = settings.SETTINGS["MGPU_ELASTIC_TIMEOUT"].default
+DEFAULT_COOLDOWN_S = settings.SETTINGS["MGPU_BLACKLIST_COOLDOWN"].default
 DEFAULT_MAX_RESTARTS = 10
 #: resizes (stops asked by mgpu-train) one invocation may make, a bound on the loop
 MAX_RESIZES = 100
@@ -72,7 +72,8 @@ def options_from(np: int, min_np: Optional[str], max_np: Optional[str], script: 
         None when no discovery script is given (and no other elastic option).
 
     Raises:
-        ValueError: a bad value or combination, with the fix in the message.
+        ValueError: a bad value or combination, with the fix in the message (a bad variable:
+            mgpu_launcher.settings.SettingError).
     """
     given = {}
     for name, flag, variable, value in (
@@ -83,8 +84,8 @@ def options_from(np: int, min_np: Optional[str], max_np: Optional[str], script: 
             ("cooldown", "--blacklist-cooldown", "MGPU_BLACKLIST_COOLDOWN", cooldown)):
         if value is not None:
             given[name] = (flag, value)
-        elif environ.get(variable, "").strip():
-            given[name] = (variable, environ[variable].strip())
+        elif settings.is_set(variable, environ):  # a bad value: SettingError, a ValueError
+            given[name] = (variable, settings.get(variable, environ))
     if "script" not in given:
         if given:
             raise ValueError(f"{', '.join(source for source, _ in given.values())} only apply "
@@ -115,11 +116,7 @@ def options_from(np: int, min_np: Optional[str], max_np: Optional[str], script: 
 
 def discovery_interval() -> float:
     """MGPU_DISCOVERY_INTERVAL: seconds between discovery runs while waiting or training."""
-    value = os.environ.get("MGPU_DISCOVERY_INTERVAL", "2")
-    try:
-        return max(0.2, float(value))
-    except ValueError:
-        return 2.0
+    return max(0.2, settings.seconds("MGPU_DISCOVERY_INTERVAL"))
 
 
 def say(text: str) -> None:

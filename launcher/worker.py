@@ -13,7 +13,7 @@ import signal
 import sys
 from typing import Optional, Sequence
 
-from mgpu_launcher import devices, environments
+from mgpu_launcher import devices, environments, settings
 
 #: Prefix of the line a failing rank prints to stderr; the supervisor looks for it.
 FAILURE_MARKER = "mgpu-train: rank failure:"
@@ -123,8 +123,11 @@ def run(kind: str, target: str, args: Sequence[str], pin: bool = True,
         placement: where this rank stands; detected from the environment when None.
     """
     placement = placement or environments.detect()
+    if placement.rank == 0:  # mgpu-train checked the values; unknown names: one warning
+        settings.warn_unknown(emit=lambda text: print(f"mgpu-train: warning: {text}",
+                                                      file=sys.stderr, flush=True))
     export_placement(placement)
-    if os.environ.get(ELASTIC_VARIABLE) == "1":  # noted, acted on by BackupAndRestore
+    if settings.flag(ELASTIC_VARIABLE):  # noted, acted on by BackupAndRestore
         signal.signal(RESIZE_SIGNAL, lambda *_: _resize_requested.append(True))
     if pin:
         devices.pin_gpu(placement.local_rank, placement.local_size, os.environ)

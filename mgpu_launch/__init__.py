@@ -24,9 +24,10 @@ def _synchronize_batch_norm(state) -> None:
     """init() hook, after the engine's: BatchNormalization(synchronized=True) synchronizes
     (mgpu_launch.layers). On one process only if Keras is loaded already: importing it here
     would slow down every script that uses only the host collectives."""
-    import os
     import sys
-    if os.environ.get("MGPU_ENGINE", "keras") != "none" and (
+
+    from mgpu_launcher import settings
+    if settings.choice("MGPU_ENGINE") != "none" and (
             state.size > 1 or "keras" in sys.modules):
         from mgpu_launch import keras_patches
         keras_patches.install_synchronized_batch_norm()

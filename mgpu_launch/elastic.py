@@ -32,7 +32,6 @@ What differs from Horovod's in-memory rollback (docs/fault-tolerance.md, "The Ho
 """
 
 import functools
-import os
 import shutil
 from typing import Callable, Optional
 
@@ -42,6 +41,7 @@ from mgpu_launch import collectives, engines, epoch_resume, keras_patches, resiz
 from mgpu_launch.callbacks.backup import BackupAndRestore
 from mgpu_launch.callbacks.io import _is_chief
 from mgpu_launch.callbacks.sync import model_state_variables
+from mgpu_launcher import settings
 
 __all__ = ["KerasState", "CommitStateCallback", "UpdateBatchStateCallback",
            "UpdateEpochStateCallback", "run", "STATE_DIR_VARIABLE"]
@@ -77,7 +77,7 @@ class KerasState:
     def __init__(self, model, optimizer=None, backup_dir: Optional[str] = None, **kwargs):
         self.model = model
         self.optimizer = optimizer if optimizer is not None else model.optimizer
-        self.backup_dir = backup_dir or os.environ.get(STATE_DIR_VARIABLE) or _DEFAULT_DIR
+        self.backup_dir = backup_dir or settings.text(STATE_DIR_VARIABLE) or _DEFAULT_DIR
         self._backup = BackupAndRestore(self.backup_dir, keep=2, delete_checkpoint=False,
                                         rescale_lr=False)
         self._backup.set_model(model)

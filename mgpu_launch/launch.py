@@ -38,7 +38,7 @@ import traceback
 from typing import Any, Callable, Dict, Optional, Sequence
 
 from mgpu_launch import _auth
-from mgpu_launcher import cli, mpirun, supervisor
+from mgpu_launcher import cli, mpirun, settings, supervisor
 
 PAYLOAD = "payload.pkl"
 #: the ranks' environment variable with the call's key (hex); never on a command line
@@ -141,7 +141,8 @@ def run(fn: Callable, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]]
 
     Raises:
         TypeError: fn, args or kwargs cannot be pickled (the message says how to fix it).
-        ValueError: np is not a whole number >= 1.
+        ValueError: np is not a whole number >= 1, or an ``MGPU_*`` variable (here or in `env`)
+            has a bad value (mgpu_launcher.settings.SettingError, before anything starts).
         PermissionError: `work_dir` is not a folder of yours that only you may write in.
         RemoteError: a rank failed; the message has its traceback.
         RuntimeError: a result file does not carry this call's HMAC (someone changed it).
@@ -157,6 +158,7 @@ def run(fn: Callable, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]]
     if isinstance(np, bool) or not isinstance(np, int) or np < 1:
         raise ValueError(f"mgpu_launch.run: np={np!r}; expected a whole number of processes "
                          f">= 1, e.g. np=2")
+    settings.check({**os.environ, **{name: str(value) for name, value in (env or {}).items()}})
     _dumps(fn, "fn")  # alone first: its message names the function
     payload = _dumps((fn, tuple(args), dict(kwargs or {})), "args/kwargs")
     own_dir = work_dir is None
@@ -176,7 +178,7 @@ def run(fn: Callable, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]]
         stderr = _Tee(sys.stderr)
         outcome = supervisor.supervise(command, flavour, all_ranks=all_ranks_output, env=job_env,
                                        stdout=sys.stdout, stderr=stderr, size=np,
-                                       merge_window=cli.merge_window())
+                                       merge_window=settings.seconds("MGPU_MERGE_SECONDS"))
         if outcome.status != 0:
             raise _failure(folder, key, outcome.status, "".join(stderr.text))
         results = [pickle.loads(_read_signed(folder, key, f"result.{rank}.pkl", f"result {rank}"))
@@ -293,8 +295,9 @@ def run_rank(folder: str) -> None:
         RuntimeError: the payload does not carry the call's HMAC (``MGPU_RUN_KEY``), or that
             variable is missing: nothing is unpickled.
     """
-    rank = int(os.environ.get("MGPU_RANK", "0"))
-    hex_key = os.environ.pop(KEY_VARIABLE, "")  # fn's own child processes need not see it
+    rank = settings.integer("MGPU_RANK", fallback=0)
+    hex_key = settings.text(KEY_VARIABLE) or ""
+    os.environ.pop(KEY_VARIABLE, None)  # fn's own child processes need not see it
     try:
         key = bytes.fromhex(hex_key)
     except ValueError:

@@ -4,10 +4,11 @@ Framework-free: the backend's copy is passed in (``transfer``) by the Keras patc
 it (``mgpu_launch.keras_patches``), so this module sits below the engines and the Keras glue.
 """
 
-import os
 import queue
 import threading
 from typing import Any, Callable, Iterable
+
+from mgpu_launcher import settings
 
 def prefetch_depth(accelerator: bool) -> int:
     """Batches to copy ahead of the step: ``MGPU_PREFETCH`` when set, else 2 on an
@@ -18,20 +19,9 @@ def prefetch_depth(accelerator: bool) -> int:
         accelerator: whether the backend computes on a GPU (or another accelerator).
 
     Raises:
-        ValueError: the variable is not a whole number >= 0.
+        mgpu_launcher.settings.SettingError: the variable is not a whole number >= 0.
     """
-    value = os.environ.get("MGPU_PREFETCH")
-    if value is None:
-        return 2 if accelerator else 0
-    try:
-        depth = int(value)
-    except ValueError:
-        depth = -1
-    if depth < 0:
-        raise ValueError(f"MGPU_PREFETCH={value!r}: expected the number of batches to copy to "
-                         f"the device ahead of the step (a whole number >= 0; 0 turns device "
-                         f"prefetch off)")
-    return depth
+    return settings.integer("MGPU_PREFETCH", fallback=2 if accelerator else 0)
 
 
 class Prefetcher:

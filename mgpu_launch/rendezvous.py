@@ -6,9 +6,10 @@ TensorFlow's servers).
 """
 
 import ipaddress
-import os
 import socket
 from typing import Optional, Sequence
+
+from mgpu_launcher import settings
 
 
 def free_port() -> int:
@@ -115,7 +116,7 @@ def rendezvous_address(state, override_variable: str, timeout: float = 60.0) -> 
     address = None
     host = job_host_address(state)
     if state.rank == 0:
-        address = os.environ.get(override_variable)
+        address = settings.text(override_variable)  # an MGPU_* HOST:PORT, checked
         if not address:
             address = f"{host}:{free_port()}"
     address = comm.bcast(address, root=0)

@@ -11,16 +11,15 @@ position — and exits with status 0. mgpu-train then starts the job again with 
 and BackupAndRestore resumes it from that backup.
 """
 
-import os
 import sys
 
 from mgpu_launch import collectives, runtime
-from mgpu_launcher import worker
+from mgpu_launcher import settings, worker
 
 
 def elastic() -> bool:
     """Whether this process is a rank of an elastic mgpu-train job."""
-    return os.environ.get(worker.ELASTIC_VARIABLE) == "1"
+    return settings.flag(worker.ELASTIC_VARIABLE)
 
 
 def stop_here_if_asked(where: str) -> None:

@@ -12,7 +12,7 @@ import sys
 from typing import Any, Callable, List, Optional, Tuple
 
 from mgpu_launch import _auth, stall
-from mgpu_launcher import environments, worker
+from mgpu_launcher import environments, settings, worker
 
 
 class NotInitializedError(RuntimeError):
@@ -91,9 +91,12 @@ def init() -> None:
     ``MGPU_ENGINE=none`` skips the engine (host collectives only, Keras never imported).
     On more than one process it starts the stall inspector (mgpu_launch.stall; knobs
     ``MGPU_STALL_WARNING_S``, ``MGPU_STALL_SHUTDOWN_S``, ``MGPU_STALL_INSPECTOR``).
+    First it checks every ``MGPU_*`` variable (mgpu_launcher.settings; docs/settings.md) and
+    warns, on rank 0, about a name it does not know.
 
     Raises:
-        ValueError: a ``MGPU_STALL_*`` variable is not a number of seconds.
+        mgpu_launcher.settings.SettingError: an ``MGPU_*`` variable has a bad value (a
+            ValueError; the message names the variable, the value and an example).
         mgpu_launcher.environments.DetectionError: the launcher's variables are contradictory.
         RuntimeError: the environment and MPI disagree on the job's size or this rank.
 
@@ -105,7 +108,10 @@ def init() -> None:
     """
     if state.initialized:
         return
+    settings.check()
     placement = environments.detect()
+    if placement.rank == 0:
+        settings.warn_unknown()
     fresh = State(initialized=True, rank=placement.rank, size=placement.size,
                   local_rank=placement.local_rank, local_size=placement.local_size,
                   source=placement.source)

@@ -30,13 +30,13 @@ training thread.
 """
 
 import faulthandler
-import os
 import sys
 import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
 from mgpu_launch import _auth, rendezvous, stall_channel
+from mgpu_launcher import settings as declared
 from mgpu_launcher import worker
 
 #: seconds between two position reports of a rank (and between two checks on rank 0)
@@ -148,49 +148,24 @@ def stall_report(positions: Dict[int, Position], seconds: float) -> Optional[Tup
     return late, text
 
 
-def _seconds(name: str, default: Optional[float]) -> Optional[float]:
-    raw = os.environ.get(name, "").strip()
-    if raw == "" or raw.lower() in ("off", "none"):
-        return default if raw == "" else None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r}: expected a number of seconds > 0 (or 'off'), "
-                         f"e.g. {name}=60")
-    return value
-
-
 def settings() -> Tuple[bool, Optional[float], Optional[float]]:
     """(enabled, warning seconds, shutdown seconds) from the environment.
 
     Raises:
-        ValueError: a variable is set to something that is not a positive number.
+        mgpu_launcher.settings.SettingError: a variable does not parse (seconds: a number > 0
+            or ``off``; the inspector: a flag).
     """
-    enabled = os.environ.get("MGPU_STALL_INSPECTOR", "1").strip().lower() not in ("0", "off",
-                                                                                  "false", "no")
-    return enabled, _seconds("MGPU_STALL_WARNING_S", 60.0), _seconds("MGPU_STALL_SHUTDOWN_S", None)
+    return (declared.flag("MGPU_STALL_INSPECTOR"), declared.seconds("MGPU_STALL_WARNING_S"),
+            declared.seconds("MGPU_STALL_SHUTDOWN_S"))
 
 
 def port() -> int:
     """``MGPU_STALL_PORT``: the port rank 0 listens on (0, the default: any free port).
 
     Raises:
-        ValueError: it is not a port number.
+        mgpu_launcher.settings.SettingError: it is not a port number.
     """
-    raw = os.environ.get("MGPU_STALL_PORT", "").strip()
-    if not raw:
-        return 0
-    try:
-        number = int(raw)
-    except ValueError:
-        number = -1
-    if not 0 <= number <= 65535:
-        raise ValueError(f"MGPU_STALL_PORT={raw!r}: expected a TCP port number 1-65535 that "
-                         f"the other hosts may reach (0: any free port), e.g. "
-                         f"MGPU_STALL_PORT=29400")
-    return number
+    return declared.integer("MGPU_STALL_PORT")
 
 
 class Monitor(threading.Thread):
@@ -286,7 +261,7 @@ def start(state) -> None:
             address = f"{host}:{server.port}"
         except OSError as error:
             problem = (f"the stall inspector cannot listen on {host}:{listen_port} "
-                       f"(MGPU_STALL_PORT={os.environ.get('MGPU_STALL_PORT', '')!r}): {error}. "
+                       f"(MGPU_STALL_PORT={listen_port}): {error}. "
                        f"Pick a port that is free on rank 0's host, or unset MGPU_STALL_PORT.")
     address, problem = state.comm.bcast((address, problem), root=0)
     if problem:

@@ -16,14 +16,13 @@ step is done (only when ``mgpu-train`` asks for it with ``MGPU_PROGRESS_MARKER=1
 that fails after that line is worth a restart, one that fails before it is not.
 """
 
-import os
 import sys
 from typing import Any, Dict
 
 import keras
 
 from mgpu_launch import runtime, stall
-from mgpu_launcher import worker
+from mgpu_launcher import settings, worker
 
 
 class _Steps:
@@ -56,7 +55,7 @@ class FirstProbe(keras.callbacks.Callback):
         stall.mark(_step_of_end(batch), stall.BATCH_END)
         if not _Steps.progress_reported:
             _Steps.progress_reported = True
-            if os.environ.get("MGPU_PROGRESS_MARKER") == "1" and runtime.state.rank == 0:
+            if settings.flag("MGPU_PROGRESS_MARKER") and runtime.state.rank == 0:
                 print(worker.PROGRESS_MARKER, file=sys.stderr, flush=True)
 
     def on_test_begin(self, logs=None):
@@ -84,7 +83,7 @@ class LastProbe(keras.callbacks.Callback):
 def wanted() -> bool:
     """Whether a fit should carry the probes: the inspector runs, or mgpu-train asks for the
     progress marker (restarts)."""
-    return stall.active() or os.environ.get("MGPU_PROGRESS_MARKER") == "1"
+    return stall.active() or settings.flag("MGPU_PROGRESS_MARKER")
 
 
 def add_probes(arguments: Dict[str, Any]) -> None:

@@ -14,7 +14,7 @@ BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
 
 @pytest.mark.parametrize("argv, env, message", [
     (["-np", "2", "--max-restarts", "two"], {}, "--max-restarts 'two': expected a whole number"),
-    (["-np", "2"], {"MGPU_MAX_RESTARTS": "-1"}, "MGPU_MAX_RESTARTS '-1': expected a whole number"),
+    (["-np", "2"], {"MGPU_MAX_RESTARTS": "-1"}, "MGPU_MAX_RESTARTS='-1': expected a whole number"),
     (["--max-restarts", "1"], {}, "--max-restarts only apply when mgpu-train starts the job"),
 ])
 def test_bad_restart_counts_are_usage_errors(argv, env, message, monkeypatch, capsys):

@@ -7,10 +7,10 @@ once, from ``keras.backend.backend()``, by :func:`get_engine`; framework imports
 """
 
 import importlib
-import os
 from typing import Any, Dict, List, Optional, Sequence
 
 from mgpu_launch import runtime
+from mgpu_launcher import settings
 
 #: backend name -> "module:Class"
 ENGINES: Dict[str, str] = {
@@ -18,6 +18,10 @@ ENGINES: Dict[str, str] = {
     "jax": "mgpu_launch.engines.jax:JaxEngine",
     "torch": "mgpu_launch.engines.torch:TorchEngine",
 }
+
+
+class UnknownBackend(ValueError):
+    """The Keras backend has no engine (the message lists the supported ones)."""
 
 
 class Engine:
@@ -197,7 +201,8 @@ def get_engine(backend: Optional[str] = None) -> Engine:
     """The engine for `backend` (default: Keras's current backend), created once.
 
     Raises:
-        ValueError: the backend has no engine; the message lists the supported ones.
+        UnknownBackend: the backend has no engine; the message lists the supported ones.
+        mgpu_launcher.settings.SettingError: an ``MGPU_*`` variable the engine reads is bad.
     """
     global _engine
     if backend is None:
@@ -206,7 +211,7 @@ def get_engine(backend: Optional[str] = None) -> Engine:
     if _engine is not None and _engine.name == backend:
         return _engine
     if backend not in ENGINES:
-        raise ValueError(
+        raise UnknownBackend(
             f"mgpu_launch has no engine for the Keras backend {backend!r}; supported: "
             f"{', '.join(sorted(ENGINES))}. Set KERAS_BACKEND to one of them.")
     module_name, class_name = ENGINES[backend].split(":")
@@ -214,11 +219,15 @@ def get_engine(backend: Optional[str] = None) -> Engine:
     return _engine
 
 
-def get_engine_or_default() -> Engine:
-    """The backend's engine, or the base Engine's defaults for a backend without one."""
+def get_engine_or_default(backend: Optional[str] = None) -> Engine:
+    """The backend's engine, or the base Engine's defaults for a backend without one.
+
+    Only a backend without an engine falls back: an engine that cannot be made (a bad
+    ``MGPU_FUSION_MB``, ...) raises, as :func:`get_engine` does.
+    """
     try:
-        return get_engine()
-    except ValueError:
+        return get_engine(backend)
+    except UnknownBackend:
         return Engine()
 
 
@@ -235,7 +244,7 @@ def _start(state) -> None:
 
     ``MGPU_ENGINE=none`` skips it (host collectives only, Keras never imported).
     """
-    if state.size > 1 and os.environ.get("MGPU_ENGINE", "keras") != "none":
+    if state.size > 1 and settings.choice("MGPU_ENGINE") != "none":
         get_engine().setup(state)
 
 

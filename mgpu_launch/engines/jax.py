@@ -26,13 +26,13 @@ before JAX touches a device. ``MGPU_JAX_COORDINATOR`` (host:port) overrides the 
 ``MGPU_JAX_INIT_TIMEOUT`` (seconds, default 60) bounds the wait for the other processes.
 """
 
-import os
 from typing import Any, List, Sequence
 
 import numpy as np
 
 from mgpu_launch.engines import Engine
 from mgpu_launch.rendezvous import job_host_address, rendezvous_address
+from mgpu_launcher import settings
 
 AXIS = "mgpu"
 
@@ -68,9 +68,9 @@ class JaxEngine(Engine):
         self._in_step = False
         self._checked_batches = set()
         #: bytes per fused allreduce buffer; 0: one psum of the list, fused by XLA's combiner
-        self.fusion_bytes = int(float(os.environ.get("MGPU_FUSION_MB", "64")) * 2 ** 20)
+        self.fusion_bytes = int(settings.number("MGPU_FUSION_MB", fallback=64.0) * 2 ** 20)
         #: profiling only: gradients are NOT averaged (each rank keeps size x its own)
-        self.skip_allreduce = os.environ.get("MGPU_PROFILE_SKIP_ALLREDUCE") == "1"
+        self.skip_allreduce = settings.flag("MGPU_PROFILE_SKIP_ALLREDUCE")
 
     # -- set-up -------------------------------------------------------------------------------
     def setup(self, state) -> None:
@@ -86,12 +86,12 @@ class JaxEngine(Engine):
                 "mgpu.init() at the top of the script, before building a model or creating "
                 "any array (importing keras and jax before it is fine).")
         self.size, self.comm = state.size, state.comm
-        timeout = int(float(os.environ.get("MGPU_JAX_INIT_TIMEOUT", "60")))
+        timeout = int(settings.seconds("MGPU_JAX_INIT_TIMEOUT"))
         address = rendezvous_address(state, "MGPU_JAX_COORDINATOR", timeout)
         options = {}
         gloo_host = None
         if devices.visible_gpus():
-            local = int(os.environ.get("MGPU_LOCAL_DEVICE", state.local_rank))
+            local = settings.integer("MGPU_LOCAL_DEVICE", fallback=state.local_rank)
             options["local_device_ids"] = [local]
         else:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")

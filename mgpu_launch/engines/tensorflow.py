@@ -41,7 +41,6 @@ clear error at trace time. NCCL between GPU processes under XLA needs a multi-GP
 has not run here (docs/backends.md says what did).
 """
 
-import os
 import weakref
 import zlib
 from typing import Any, List, Sequence
@@ -50,10 +49,11 @@ import numpy as np
 
 from mgpu_launch.engines import Engine, tensorflow_collectives
 from mgpu_launch.rendezvous import free_port, job_host_address
+from mgpu_launcher import settings
 
-TRANSPORTS = ("collective", "mpi")
+TRANSPORTS = settings.SETTINGS["MGPU_TF_TRANSPORT"].choices  # ("collective", "mpi")
 #: MGPU_TF_COLLECTIVE -> CollectiveReduceV2's communication_hint ("auto" is resolved in setup)
-IMPLEMENTATIONS = ("auto", "nccl", "ring")
+IMPLEMENTATIONS = settings.SETTINGS["MGPU_TF_COLLECTIVE"].choices  # ("auto", "nccl", "ring")
 _JOB = "worker"
 # Keys derived from a collective's signature live in [1, _FIXED_KEYS]; the counter for buffers
 # of unknown shape counts above it, so the two never meet.
@@ -63,24 +63,16 @@ _FIXED_KEYS = 2 ** 30
 def _reachable_host(state) -> str:
     """Collective: an address the other ranks can reach this one at (MGPU_TF_HOST overrides)."""
     found = job_host_address(state)  # on every rank: it is a collective
-    return os.environ.get("MGPU_TF_HOST") or found
+    return settings.text("MGPU_TF_HOST") or found
 
 
 class TensorFlowEngine(Engine):
     name = "tensorflow"
 
     def __init__(self):
-        self.transport = os.environ.get("MGPU_TF_TRANSPORT", "collective")
-        if self.transport not in TRANSPORTS:
-            raise ValueError(f"MGPU_TF_TRANSPORT={self.transport!r}: expected one of "
-                             f"{', '.join(TRANSPORTS)}")
-        self.implementation = os.environ.get("MGPU_TF_COLLECTIVE", "auto").strip().lower()
-        if self.implementation not in IMPLEMENTATIONS:
-            raise ValueError(
-                f"MGPU_TF_COLLECTIVE={self.implementation!r}: expected one of "
-                f"{', '.join(IMPLEMENTATIONS)} (e.g. MGPU_TF_COLLECTIVE=ring for ranks that "
-                f"share a GPU or GPUs without a peer path)")
-        self.timeout = float(os.environ.get("MGPU_COLLECTIVE_TIMEOUT", "0"))
+        self.transport = settings.choice("MGPU_TF_TRANSPORT")
+        self.implementation = settings.choice("MGPU_TF_COLLECTIVE")
+        self.timeout = settings.seconds("MGPU_COLLECTIVE_TIMEOUT")
         self.size = 1
         self.comm = None
         self._instance_key = self._ordering_token = None
@@ -129,7 +121,7 @@ class TensorFlowEngine(Engine):
         """Memory growth when this host's ranks share GPUs (not pinned one each); returns
         whether they do. Must run before TensorFlow initializes its devices."""
         gpus = tf.config.list_physical_devices("GPU")  # does not initialize them
-        if not gpus or os.environ.get("MGPU_GPU") is not None or state.local_size < 2:
+        if not gpus or settings.text("MGPU_GPU") is not None or state.local_size < 2:
             return False
         for gpu in gpus:
             tf.config.experimental.set_memory_growth(gpu, True)

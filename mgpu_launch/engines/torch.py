@@ -26,6 +26,7 @@ from typing import Any, List, Optional, Sequence
 
 from mgpu_launch.engines import Engine
 from mgpu_launch.rendezvous import interface_of, job_host_address, rendezvous_address
+from mgpu_launcher import settings
 
 
 def _bind_gloo(host: str) -> None:
@@ -46,7 +47,7 @@ class TorchEngine(Engine):
         self.size = 1
         self.initialized = False
         #: bytes per gradient bucket (DDP's bucket_cap_mb)
-        self.fusion_bytes = int(float(os.environ.get("MGPU_FUSION_MB", "25")) * 2 ** 20)
+        self.fusion_bytes = int(settings.number("MGPU_FUSION_MB", fallback=25.0) * 2 ** 20)
         self._watched: Optional["GradientBuckets"] = None
 
     # -- set-up -------------------------------------------------------------------------------
@@ -64,7 +65,7 @@ class TorchEngine(Engine):
             # oversubscribe the CPU (2x H200 box: 89.4% -> 94.6% scaling with 4 threads each).
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // state.local_size))
         address = rendezvous_address(state, "MGPU_TORCH_ADDRESS")
-        timeout = datetime.timedelta(seconds=float(os.environ.get("MGPU_TORCH_TIMEOUT", "1800")))
+        timeout = datetime.timedelta(seconds=settings.seconds("MGPU_TORCH_TIMEOUT"))
         if torch.cuda.is_available():
             # One visible GPU when the launcher pinned it (CUDA_VISIBLE_DEVICES), else all.
             device = torch.device("cuda", state.local_rank % torch.cuda.device_count())
@@ -157,7 +158,7 @@ class TorchEngine(Engine):
         if self._watched is not None:
             self._watched.remove()
             self._watched = None
-        if os.environ.get("MGPU_TORCH_OVERLAP", "1") == "0":
+        if not settings.flag("MGPU_TORCH_OVERLAP"):
             return
         plan = Reduction(self.size, average, prescale, postscale, compression)
         self._watched = GradientBuckets(list(variables), plan, self.fusion_bytes)

@@ -29,11 +29,12 @@ names the reason: no CUDA device, a LossScaleOptimizer, ``backward_passes_per_st
 """
 
 import collections
-import os
 import threading
 import warnings
 import weakref
 from typing import Callable, Optional
+
+from mgpu_launcher import settings
 
 #: the environment variable that turns capture on (``1``); DistributedOptimizer(cuda_graph=)
 ENV = "MGPU_TORCH_CUDA_GRAPH"
@@ -122,20 +123,13 @@ def requested(optimizer=None) -> bool:
     choice = getattr(optimizer, "cuda_graph", None)
     if choice is not None:
         return bool(choice)
-    return os.environ.get(ENV, "0").strip().lower() in ("1", "true", "yes", "on")
+    return settings.flag(ENV)
 
 
 def warmup_steps() -> int:
-    value = os.environ.get(WARMUP_ENV, "3")
-    try:
-        steps = int(value)
-    except ValueError:
-        raise ValueError(f"{WARMUP_ENV}={value!r}: expected an integer >= 1 (eager steps per "
-                         f"batch shape before capture), e.g. {WARMUP_ENV}=3") from None
-    if steps < 1:
-        raise ValueError(f"{WARMUP_ENV}={value!r}: expected an integer >= 1 (the step must "
-                         f"run eagerly at least once before it can be captured)")
-    return steps
+    """Eager steps per batch signature before capture (SettingError unless an integer >= 1:
+    the step must run eagerly at least once before it can be captured)."""
+    return settings.integer(WARMUP_ENV)
 
 
 def _warn(reason: str, is_chief: bool) -> None:
