@@ -6,6 +6,7 @@ Modules:
     devices       visible GPUs; pinning one per worker
     mpirun        finding mpirun, its MPI flavour, building its argument list
     supervisor    running mpirun, relaying rank-tagged output, failure summary, signals
+    sessions      a job's process session: members, killing it, a reaper if the caller dies
     elastic       --host-discovery-script: the loop that restarts the job as hosts change
     discovery     running and checking the discovery script; the host blacklist
     worker        running the user's program in-process as one rank

@@ -39,6 +39,23 @@ class Flavour:
     peer_loss: Tuple[str, ...] = ()
     # Parses one line of tagged output into (rank, stream, text); None for mpirun's own lines.
     tag_pattern: "re.Pattern[str]" = re.compile(r"^\[(\d+),(\d+)\]<(stdout|stderr)>: ?(.*)$")
+    # mpirun's own report of a rank killed by a signal, groups (rank, signal number); searched
+    # in mpirun's lines joined by spaces (it breaks the sentence over lines). None: unknown.
+    signal_death: Optional["re.Pattern[str]"] = None
+
+    def signal_death_in(self, mpirun_text: str) -> Optional[Tuple[int, int]]:
+        """(rank, signal number) of a rank that mpirun says a signal killed, else None.
+
+        Args:
+            mpirun_text: mpirun's own (untagged) output lines, joined by spaces.
+
+        Example:
+            >>> OPENMPI.signal_death_in("prterun noticed that process rank 1 with PID 7 on "
+            ...                         "node vm exited on signal 9 (Killed).")
+            (1, 9)
+        """
+        match = self.signal_death.search(mpirun_text) if self.signal_death else None
+        return (int(match.group(1)), int(match.group(2))) if match else None
 
 
 OPENMPI = Flavour(
@@ -56,6 +73,11 @@ OPENMPI = Flavour(
     # no root cause. Two seconds' delay before any MPI_Abort lets the killed rank's signal be
     # reported first (3 of 3); a rank failing in Python has printed its traceback already.
     peer_loss=("--mca", "mpi_abort_delay", "2"),
+    # Open MPI 5: "prterun noticed that process rank 1 with PID 18853 on node vm exited on" and
+    # on the next line "signal 9 (Killed)." (tests/test_cli.py holds a real run's lines); 2-4
+    # say "mpirun noticed that process rank 0 with PID 21183 on node host01 exited on signal 9
+    # (Killed)." (open-mpi/ompi#2661).
+    signal_death=re.compile(r"rank (\d+) with PID \d+ on node \S+ exited on\s+signal (\d+)"),
 )
 _HYDRA = dict(
     np="-n", hosts="-hosts", hostfile="-f",

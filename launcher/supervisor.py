@@ -8,12 +8,15 @@ that failed, its exit code or signal, and the tail of its traceback.
 
 Ctrl-C or SIGTERM to ``mgpu-train`` is passed to mpirun (which stops every rank); whatever is
 still alive after a grace period is killed. mpirun runs in a session of its own, and its ranks
-stay in that session (Open MPI gives each rank its own process group, so killing mpirun's group
-is not enough): at the end every process of the session is killed, and the supervisor waits
-until none is left, so a restart never meets the previous attempt's ranks.
+stay in that session (mgpu_launcher.sessions): at the end every process of the session is
+killed, and the supervisor waits until none is left, so a restart never meets the previous
+attempt's ranks. Signals are forwarded only when the supervisor runs on the main thread
+(``mgpu_launch.run`` may run on another): elsewhere a reaper process ends the job if the
+calling process dies or exits before it.
 """
 
 import collections
+import contextlib
 import dataclasses
 import os
 import re
@@ -22,15 +25,13 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Deque, Dict, List, Optional, Sequence, TextIO, Tuple
+from typing import Callable, Deque, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple
 
-from mgpu_launcher import merge
+from mgpu_launcher import merge, sessions
 from mgpu_launcher.mpirun import Flavour
 from mgpu_launcher.worker import FAILURE_MARKER, PROGRESS_MARKER, RESIZE_MARKER, STALL_MARKER
 
 TAIL_LINES = 20
-GRACE_SECONDS = 5.0
-_SIGNAL_DEATH = re.compile(r"rank (\d+) with PID \d+ on node \S+ exited on\s+signal (\d+)")
 # Start-up notices every framework prints, which say nothing about a failure: kept out of the
 # failure summary's "last lines" (glog INFO lines, absl's and TF's CPU notices).
 _START_UP_NOISE = re.compile(
@@ -156,14 +157,14 @@ class OutputRelay:
         """
         if self.first_failure and self.first_failure.stall:
             return self.first_failure
-        match = _SIGNAL_DEATH.search(" ".join(self.mpirun_lines))
-        if match:
-            number = int(match.group(2))
+        death = self.flavour.signal_death_in(" ".join(self.mpirun_lines))
+        if death:
+            rank, number = death
             try:
                 name = signal.Signals(number).name
             except ValueError:
                 name = f"signal {number}"
-            return Failure(int(match.group(1)), f"killed by signal {number} ({name})")
+            return Failure(rank, f"killed by signal {number} ({name})")
         return self.first_failure
 
     def summary(self, status: int, attempt: Optional[Tuple[int, int]] = None) -> str:
@@ -226,48 +227,110 @@ def _failure_in(rank: int, text: str) -> Optional[Failure]:
     return None
 
 
-def session_members(session: int) -> List[int]:
-    """Live processes (not zombies) of the session `session`, from /proc (empty elsewhere)."""
-    members = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return members
-    for entry in entries:
-        if not entry.isdigit():
-            continue
+def _on_main_thread() -> bool:
+    """Whether this code may install signal handlers (Python allows it on the main thread only)."""
+    return threading.current_thread() is threading.main_thread()
+
+
+class Job:
+    """One run of mpirun, in three steps: :meth:`start`, :meth:`forward` (the signal handler
+    that :meth:`signals_forwarded` installs) and :meth:`teardown`. :func:`supervise` strings
+    them together.
+
+    Attributes:
+        proc: mpirun's Popen; its pid is also the job's session id.
+        relay: the :class:`OutputRelay` its output goes through.
+        stopped_by: the signal that stopped the job through :meth:`forward`, else None.
+    """
+
+    def __init__(self, proc: subprocess.Popen, relay: OutputRelay, stderr: TextIO,
+                 reaper: Optional[sessions.Reaper]):
+        self.proc, self.relay, self.stderr, self._reaper = proc, relay, stderr, reaper
+        self.stopped_by: Optional[int] = None
+        self._pumps = [threading.Thread(target=relay.pump, args=(pipe, name), daemon=True)
+                       for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
+        self._finished = threading.Event()
+        self._killer = threading.Timer(sessions.GRACE_SECONDS, sessions.kill, args=(proc.pid,))
+        self._killer.daemon = True
+
+    @classmethod
+    def start(cls, command: Sequence[str], env: Optional[Dict[str, str]], relay: OutputRelay,
+              stderr: TextIO) -> "Job":
+        """Start mpirun in a session of its own and relay its output.
+
+        Its own session, so that the whole tree can be killed at once. Off the main thread no
+        signal handler can be installed (see :meth:`signals_forwarded`), so a
+        :class:`sessions.Reaper` ends the job instead should this process die before it.
+        """
+        proc = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         try:
-            with open(f"/proc/{entry}/stat") as stat:
-                text = stat.read()
-        except OSError:
-            continue
-        fields = text[text.rindex(")") + 2:].split()  # state ppid pgrp session ...
-        if int(fields[3]) == session and fields[0] not in "ZX":
-            members.append(int(entry))
-    return members
+            reaper = None if _on_main_thread() else sessions.Reaper(proc.pid)
+        except BaseException:
+            sessions.kill(proc.pid)
+            raise
+        job = cls(proc, relay, stderr, reaper)
+        for pump in job._pumps:
+            pump.start()
+        threading.Thread(target=job._tick, daemon=True).start()
+        return job
 
+    def _tick(self) -> None:
+        while not self._finished.wait(0.2):
+            self.relay.tick()  # merged lines whose window has passed
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL mpirun's process group and every other process of its session (the ranks)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for pid in session_members(proc.pid):
+    def forward(self, signum: int, _frame=None) -> None:
+        """A SIGINT or SIGTERM to the launcher: the first asks mpirun to stop every rank (and
+        kills what is left after ``sessions.GRACE_SECONDS``), a second kills the job now."""
+        if self.stopped_by is None:
+            self.stopped_by = signum
+            print(f"mgpu-train: got {signal.Signals(signum).name}, stopping every rank",
+                  file=self.stderr, flush=True)
+            self.proc.send_signal(signal.SIGTERM)
+            self._killer.start()
+        else:
+            sessions.kill(self.proc.pid)
+
+    @contextlib.contextmanager
+    def signals_forwarded(self) -> Iterator[None]:
+        """SIGINT and SIGTERM go to :meth:`forward` meanwhile, on the main thread only.
+
+        Elsewhere (``mgpu_launch.run`` on a thread of its caller) Python runs signal handlers
+        on the main thread alone: the caller's own handling applies there, and the job's
+        reaper ends the job if the caller dies or exits while it runs.
+        """
+        if not _on_main_thread():
+            yield
+            return
+        previous = {s: signal.signal(s, self.forward) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+            yield
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
+    def teardown(self) -> Tuple[int, ...]:
+        """Kill every process of the job that is left and wait until none is, so a restart
+        never meets this attempt's ranks; then drain and close its output.
 
-def _wait_until_gone(session: int, timeout: float) -> Tuple[int, ...]:
-    """Wait for the session's processes to die; returns those still alive after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = session_members(session)
-        if not alive or time.monotonic() > deadline:
-            return tuple(alive)
-        time.sleep(0.05)
+        Returns:
+            The processes still alive after that (normally none; a warning names them).
+        """
+        self._killer.cancel()
+        sessions.kill(self.proc.pid)  # nothing of the job outlives mgpu-train
+        leftovers = sessions.wait_until_gone(self.proc.pid, sessions.GRACE_SECONDS)
+        deadline = time.monotonic() + 5
+        for pump in self._pumps:
+            pump.join(max(0.0, deadline - time.monotonic()))
+        self._finished.set()
+        self.relay.flush()
+        self.relay.close()
+        if self._reaper is not None:
+            self._reaper.release()
+        if leftovers:
+            print(f"mgpu-train: warning: processes of the job still alive after SIGKILL: "
+                  f"{', '.join(map(str, leftovers))}", file=self.stderr, flush=True)
+        return leftovers
 
 
 def supervise(command: Sequence[str], flavour: Flavour, *, all_ranks: bool = False,
@@ -294,65 +357,25 @@ def supervise(command: Sequence[str], flavour: Flavour, *, all_ranks: bool = Fal
             elastic loop signals the job through them).
 
     Returns:
-        An :class:`Outcome`: its status is mpirun's exit status, 128+N when mgpu-train itself
-        was stopped by signal N.
+        An :class:`Outcome`: its status is mpirun's exit status, 128+N when the launcher itself
+        was stopped by signal N (forwarded on the main thread only, see
+        :meth:`Job.signals_forwarded`).
     """
     stderr = stderr or sys.stderr
     relay = OutputRelay(flavour, all_ranks, output_dir, stdout or sys.stdout, stderr,
                         size=size, merge_window=merge_window)
-    # Its own session, so that on a second signal the whole tree can be killed at once.
-    proc = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-    pumps = [threading.Thread(target=relay.pump, args=(pipe, name), daemon=True)
-             for pipe, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
-    for pump in pumps:
-        pump.start()
-    if on_start is not None:
-        on_start(proc, relay)
-    finished = threading.Event()
-
-    def ticker():
-        while not finished.wait(0.2):
-            relay.tick()
-
-    threading.Thread(target=ticker, daemon=True).start()
-
-    stopped_by: List[int] = []
-    killer = threading.Timer(GRACE_SECONDS, _kill_group, args=(proc,))
-    killer.daemon = True
-
-    def forward(signum, _frame):
-        if not stopped_by:
-            stopped_by.append(signum)
-            print(f"mgpu-train: got {signal.Signals(signum).name}, stopping every rank",
-                  file=stderr, flush=True)
-            proc.send_signal(signal.SIGTERM)
-            killer.start()
-        else:
-            _kill_group(proc)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    job = Job.start(command, env, relay, stderr)
     try:
-        status = proc.wait()
+        if on_start is not None:
+            on_start(job.proc, relay)
+        with job.signals_forwarded():
+            status = job.proc.wait()
     finally:
-        killer.cancel()
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        _kill_group(proc)  # nothing of the job outlives mgpu-train
-        leftovers = _wait_until_gone(proc.pid, GRACE_SECONDS)
-        deadline = time.monotonic() + 5
-        for pump in pumps:
-            pump.join(max(0.0, deadline - time.monotonic()))
-        finished.set()
-        relay.flush()
-        relay.close()
-    if leftovers:
-        print(f"mgpu-train: warning: processes of the job still alive after SIGKILL: "
-              f"{', '.join(map(str, leftovers))}", file=stderr, flush=True)
+        leftovers = job.teardown()
     outcome = Outcome(status, progressed=relay.progressed, cause=relay.root_cause(),
                       leftovers=leftovers, resized=relay.resized)
-    if stopped_by:
-        outcome.status, outcome.stopped_by = 128 + stopped_by[0], stopped_by[0]
+    if job.stopped_by is not None:
+        outcome.status, outcome.stopped_by = 128 + job.stopped_by, job.stopped_by
     elif status != 0:
         print(relay.summary(status, attempt), file=stderr, flush=True)
     return outcome

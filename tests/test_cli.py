@@ -110,6 +110,35 @@ def test_unknown_flavour_is_refused():
         mpirun.flavour_of("SomeOtherMPI 1.0\n")
 
 
+# mpirun's own lines (untagged) from real runs on this machine (Open MPI 5.0.11), which the
+# supervisor joins with spaces: `mgpu-train -np 2 tests/scripts/fail.py signal 1` (rank 1
+# SIGKILLs itself) and `... fail.py exit 1` (rank 1 calls sys.exit(7): no signal).
+OPENMPI_SIGNAL_DEATH = [
+    "--------------------------------------------------------------------------",
+    "prterun noticed that process rank 1 with PID 18853 on node vm exited on",
+    "signal 9 (Killed).",
+    "--------------------------------------------------------------------------",
+]
+OPENMPI_ABORT = [
+    "--------------------------------------------------------------------------",
+    "prterun has exited due to process rank 1 with PID 0 on node vm calling",
+    '"abort". This may have caused other processes in the application to be',
+    "terminated by signals sent by prterun (as reported here).",
+    "--------------------------------------------------------------------------",
+]
+
+
+def test_openmpi_signal_death_wording_gives_the_rank_and_the_signal():
+    assert mpirun.OPENMPI.signal_death_in(" ".join(OPENMPI_SIGNAL_DEATH)) == (1, 9)
+    # Open MPI 2-4 (mpirun, one line; open-mpi/ompi#2661)
+    assert mpirun.OPENMPI.signal_death_in(
+        "mpirun noticed that process rank 0 with PID 21183 on node host01 exited on signal 9 "
+        "(Killed).") == (0, 9)
+    assert mpirun.OPENMPI.signal_death_in(" ".join(OPENMPI_ABORT)) is None
+    # Hydra's wording is not known: no rank is named rather than a wrong one.
+    assert mpirun.MPICH.signal_death_in(" ".join(OPENMPI_SIGNAL_DEATH)) is None
+
+
 def test_openmpi_command_as_list():
     command = mpirun.build_command("/bin/mpirun", mpirun.OPENMPI, 4, ["python", "-m", "mgpu_launcher", "t.py"],
                                    hosts="a:2,b:2", forward=["KERAS_BACKEND", "PATH"],

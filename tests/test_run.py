@@ -1,11 +1,14 @@
 """mgpu_launch.run: a Python function on N processes through the launcher, results back."""
 
+import glob
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -83,3 +86,72 @@ def test_horovods_run_signature_returns_every_rank():
     assert [r["rank"] for r in results] == [0, 1]
     with pytest.raises(ValueError, match="min_np=2 is not supported"):
         horovod.run(run_fns.rank_and_size, np=2, min_np=2)
+
+
+# -- from a thread other than the main one (a notebook's background thread, a web server's) ---
+def test_runs_from_a_thread_and_leaves_the_callers_signal_handlers_alone():
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    outcome = {}
+
+    def call():
+        try:
+            outcome["results"] = mgpu_launch.run(run_fns.rank_and_size, args=(5,), np=2,
+                                                 all_ranks=True)
+        except BaseException as error:  # noqa: B036 - the test reports whatever it was
+            outcome["error"] = error
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    thread.join(180)
+    assert not thread.is_alive(), "mgpu_launch.run on a thread did not return in 180 s"
+    assert "error" not in outcome, repr(outcome.get("error"))
+    assert [(r["rank"], r["size"], r["value"]) for r in outcome["results"]] == [(0, 2, 5),
+                                                                                (1, 2, 6)]
+    assert {signum: signal.getsignal(signum) for signum in handlers} == handlers
+
+
+# A driver whose (daemon) thread runs a function that never returns, the main thread waiting.
+HANGING_DRIVER = textwrap.dedent("""
+    import sys, threading
+    import mgpu_launch, run_fns
+
+    thread = threading.Thread(target=mgpu_launch.run, args=(run_fns.hang,), daemon=True,
+                              kwargs={"args": (sys.argv[1],), "np": 2, "work_dir": sys.argv[2]})
+    thread.start()
+    thread.join()
+""")
+
+
+def processes_mentioning(text):
+    """`ps` lines (pid, state, command) of live processes whose command line holds `text`."""
+    listing = subprocess.run(["ps", "-ww", "-eo", "pid=,stat=,args="], capture_output=True,
+                             text=True, check=True).stdout  # -ww: whole lines, whatever COLUMNS
+    return [line.strip() for line in listing.splitlines()
+            if text in line and line.split(None, 2)[1][0] != "Z"]
+
+
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "sigkill"])
+def test_a_caller_interrupted_or_killed_while_its_thread_waits_leaves_no_rank(how, tmp_path):
+    prefix, work_dir = str(tmp_path / "pid"), str(tmp_path / "work")
+    driver = subprocess.Popen([sys.executable, "-c", HANGING_DRIVER, prefix, work_dir],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(glob.glob(prefix + ".*")) < 2:
+            assert time.monotonic() < deadline and driver.poll() is None, driver.communicate()
+            time.sleep(0.1)
+        ranks = [open(path).read() for path in glob.glob(prefix + ".*")]
+        job = processes_mentioning(work_dir)  # mpirun and the ranks (python -m ... WORK_DIR)
+        assert len(job) >= 3, job
+        assert all(any(line.startswith(pid + " ") for line in job) for pid in ranks), job
+        driver.send_signal(how)  # Ctrl-C: KeyboardInterrupt in the main thread, then exit
+        _, err = driver.communicate(timeout=60)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert driver.returncode != 0, err
+    deadline = time.monotonic() + 30  # the reaper: SIGTERM, 5 s grace, SIGKILL
+    while processes_mentioning(work_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not processes_mentioning(work_dir), (processes_mentioning(work_dir), err)
+    assert "the job was stopped" in err, err

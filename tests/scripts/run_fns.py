@@ -17,3 +17,11 @@ def fail_on_rank_one():
         raise KeyError("no such shard on rank 1")
     mgpu.barrier()  # rank 0 would wait here forever if the failure did not end the job
     return "unreachable"
+
+
+def hang(pid_prefix):
+    """Write this rank's pid to PID_PREFIX.<rank>, then never return (no mgpu.init: fast)."""
+    import time
+    with open(f"{pid_prefix}.{os.environ['MGPU_RANK']}", "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
