@@ -30,7 +30,7 @@ from typing import Any, List, Sequence
 
 import numpy as np
 
-from mgpu_launch.engines import Engine
+from mgpu_launch.engines import Engine, reduction
 from mgpu_launch.rendezvous import job_host_address, rendezvous_address
 from mgpu_launcher import settings
 
@@ -146,7 +146,7 @@ class JaxEngine(Engine):
                 "model compiled with mgpu.DistributedOptimizer (the train step mgpu_launch "
                 "builds). A custom training loop must call model.train_on_batch or "
                 "optimizer.apply inside it.")
-        scale = postscale / self.size if average else postscale
+        prescale, scale = reduction.scales(average, self.size, prescale, postscale)
         wires = []
         for tensor in tensors:
             if prescale != 1.0:
@@ -190,32 +190,22 @@ class JaxEngine(Engine):
                 f"step mgpu_launch builds).")
 
     def _fused_psum(self, tensors):
-        """psum of flat buffers of up to ``fusion_bytes`` each (Horovod's tensor fusion).
+        """psum of flat buffers of about ``fusion_bytes`` each (Horovod's tensor fusion).
 
-        Buckets are filled from the last tensor to the first (the order backprop produces
+        The buckets are mgpu_launch.engines.reduction's plan of the wire tensors (already
+        compressed): filled from the last tensor to the first (the order backprop produces
         gradients), one dtype at a time; each bucket is one collective.
         """
         import jax
         import jax.numpy as jnp
 
+        specs = [reduction.TensorSpec(str(t.dtype), t.size, t.dtype.itemsize) for t in tensors]
         result: List[Any] = [None] * len(tensors)
-        by_dtype = {}
-        for index in reversed(range(len(tensors))):
-            by_dtype.setdefault(str(tensors[index].dtype), []).append(index)
-        for dtype in sorted(by_dtype):
-            bucket, filled = [], 0
-            for position, index in enumerate(by_dtype[dtype]):
-                bucket.append(index)
-                filled += tensors[index].size * tensors[index].dtype.itemsize
-                if filled < self.fusion_bytes and position + 1 < len(by_dtype[dtype]):
-                    continue
-                flat = jnp.concatenate([jnp.ravel(tensors[i]) for i in bucket])
-                total = jax.lax.psum(flat, AXIS)
-                offset = 0
-                for i in bucket:
-                    result[i] = total[offset:offset + tensors[i].size].reshape(tensors[i].shape)
-                    offset += tensors[i].size
-                bucket, filled = [], 0
+        for bucket in reduction.plan(specs, self.fusion_bytes, backward=True):
+            flat = jnp.concatenate([jnp.ravel(tensors[i]) for i in bucket.indices])
+            total = jax.lax.psum(flat, AXIS)
+            for i, offset, size in zip(bucket.indices, bucket.offsets, bucket.sizes):
+                result[i] = total[offset:offset + size].reshape(tensors[i].shape)
         return result
 
     def cond_update(self, predicate, update, variables) -> None:

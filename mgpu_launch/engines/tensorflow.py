@@ -47,7 +47,7 @@ from typing import Any, List, Sequence
 
 import numpy as np
 
-from mgpu_launch.engines import Engine, tensorflow_collectives
+from mgpu_launch.engines import Engine, reduction, tensorflow_collectives
 from mgpu_launch.rendezvous import free_port, job_host_address
 from mgpu_launcher import settings
 
@@ -58,6 +58,11 @@ _JOB = "worker"
 # Keys derived from a collective's signature live in [1, _FIXED_KEYS]; the counter for buffers
 # of unknown shape counts above it, so the two never meet.
 _FIXED_KEYS = 2 ** 30
+
+
+def _elements(tensor) -> int:
+    """Elements of a tensor of static shape (the fused buffer is split by these counts)."""
+    return int(np.prod(tensor.shape))
 
 
 def _reachable_host(state) -> str:
@@ -244,13 +249,12 @@ class TensorFlowEngine(Engine):
 
         self._check_not_xla()
         tensors = [tf.convert_to_tensor(t) for t in tensors]
-        scale = postscale / self.size if average else postscale
-        groups = {}
-        for index, tensor in enumerate(tensors):
-            groups.setdefault(tensor.dtype.name, []).append(index)
+        prescale, scale = reduction.scales(average, self.size, prescale, postscale)
+        specs = [reduction.TensorSpec(t.dtype.name, _elements(t), t.dtype.size) for t in tensors]
         result: List[Any] = [None] * len(tensors)
-        for dtype_name in sorted(groups):  # the same collectives in the same order on every rank
-            indices = groups[dtype_name]
+        # One buffer per dtype (no MGPU_FUSION_MB limit here), the same on every rank.
+        for bucket in reduction.plan(specs):
+            indices = bucket.indices
             flat = tf.concat([tf.reshape(tensors[i], [-1]) for i in indices], axis=0)
             if prescale != 1.0:
                 flat = flat * tf.cast(prescale, flat.dtype)
@@ -259,7 +263,7 @@ class TensorFlowEngine(Engine):
             summed = compression.decompress(summed, flat.dtype) if compression else summed
             if scale != 1.0:
                 summed = summed * tf.cast(scale, summed.dtype)
-            pieces = tf.split(summed, [int(np.prod(tensors[i].shape)) for i in indices])
+            pieces = tf.split(summed, list(bucket.sizes))
             for i, piece in zip(indices, pieces):
                 result[i] = tf.reshape(piece, tf.shape(tensors[i]))
         return result
@@ -311,7 +315,7 @@ class TensorFlowEngine(Engine):
             prescale=prescale, postscale=postscale, compression=compression)
         for i, value in zip(dense, reduced):
             result[i] = value
-        scale = prescale * postscale / (self.size if average else 1)
+        scale = reduction.scale_once(average, self.size, prescale, postscale)
         for i in sparse:
             result[i] = tensorflow_collectives.reduce_sparse(self, grads[i], scale=scale,
                                                              compression=compression)

@@ -24,7 +24,7 @@ import os
 import sys
 from typing import Any, List, Optional, Sequence
 
-from mgpu_launch.engines import Engine
+from mgpu_launch.engines import Engine, reduction
 from mgpu_launch.rendezvous import interface_of, job_host_address, rendezvous_address
 from mgpu_launcher import settings
 
@@ -120,15 +120,12 @@ class TorchEngine(Engine):
     def allreduce(self, tensors: Sequence[Any], *, average: bool, prescale: float = 1.0,
                   postscale: float = 1.0, compression=None) -> List[Any]:
         """Synchronous fused allreduce (one buffer per dtype), for gradients not watched."""
-        plan = Reduction(self.size, average, prescale, postscale, compression)
-        groups = {}
-        for index, tensor in enumerate(tensors):
-            groups.setdefault(str(tensor.dtype), []).append(index)
+        reducer = Reduction(self.size, average, prescale, postscale, compression)
         result: List[Any] = [None] * len(tensors)
-        for dtype in sorted(groups):
-            indices = groups[dtype]
-            flat, work = plan.launch([tensors[i] for i in indices], [tensors[i] for i in indices])
-            for i, value in zip(indices, plan.finish(flat, work, [tensors[i] for i in indices])):
+        for bucket in reduction.plan(_specs(tensors)):
+            chosen = [tensors[i] for i in bucket.indices]
+            flat, work = reducer.launch(chosen, chosen)
+            for i, value in zip(bucket.indices, reducer.finish(flat, work, chosen, bucket)):
                 result[i] = value
         return result
 
@@ -160,8 +157,8 @@ class TorchEngine(Engine):
             self._watched = None
         if not settings.flag("MGPU_TORCH_OVERLAP"):
             return
-        plan = Reduction(self.size, average, prescale, postscale, compression)
-        self._watched = GradientBuckets(list(variables), plan, self.fusion_bytes)
+        reducer = Reduction(self.size, average, prescale, postscale, compression)
+        self._watched = GradientBuckets(list(variables), reducer, self.fusion_bytes)
 
     def reduce_gradients(self, grads, variables, **options) -> List[Any]:
         watched = self._watched
@@ -197,12 +194,17 @@ def _sum_across_ranks():
     return SumAcrossRanks
 
 
+def _specs(tensors) -> List[reduction.TensorSpec]:
+    return [reduction.TensorSpec(str(t.dtype), t.numel(), t.element_size()) for t in tensors]
+
+
 class Reduction:
-    """How one flat buffer is reduced: scale, compress, sum across ranks, undo."""
+    """How one flat buffer is reduced: scale, compress, sum across ranks, undo (the factors
+    and the buckets come from mgpu_launch.engines.reduction)."""
 
     def __init__(self, size, average, prescale, postscale, compression):
-        self.prescale, self.compression = prescale, compression
-        self.scale = postscale / size if average else postscale
+        self.prescale, self.scale = reduction.scales(average, size, prescale, postscale)
+        self.compression = compression
 
     def launch(self, tensors, like):
         import torch
@@ -215,40 +217,26 @@ class Reduction:
         wire = self.compression.compress(flat) if self.compression else flat
         return wire, dist.all_reduce(wire, async_op=True)
 
-    def finish(self, wire, work, like) -> List[Any]:
+    def finish(self, wire, work, like, bucket: reduction.Bucket) -> List[Any]:
+        """The bucket's results, shaped like `like` (its tensors, in bucket order)."""
         work.wait()
         flat = self.compression.decompress(wire, like[0].dtype) if self.compression else wire
         if self.scale != 1.0:
             flat = flat * self.scale
-        pieces, offset = [], 0
-        for reference in like:
-            pieces.append(flat[offset:offset + reference.numel()].view_as(reference))
-            offset += reference.numel()
-        return pieces
+        return [flat[offset:offset + size].view_as(reference)
+                for reference, offset, size in zip(like, bucket.offsets, bucket.sizes)]
 
 
 class GradientBuckets:
     """Per-parameter hooks that launch each bucket's allreduce as soon as it is complete."""
 
-    def __init__(self, variables, plan: Reduction, fusion_bytes: int):
-        self.variables, self.plan = variables, plan
+    def __init__(self, variables, reducer: Reduction, fusion_bytes: int):
+        self.variables, self.reducer = variables, reducer
         self.params = [v.value for v in variables]
         self.ids = [id(v) for v in variables]
-        self.buckets: List[List[int]] = []
-        by_dtype = {}
-        for index in reversed(range(len(self.params))):  # backward produces the last first
-            by_dtype.setdefault(str(self.params[index].dtype), []).append(index)
-        for dtype in sorted(by_dtype):
-            bucket, filled = [], 0
-            for index in by_dtype[dtype]:
-                bucket.append(index)
-                filled += self.params[index].numel() * self.params[index].element_size()
-                if filled >= fusion_bytes:
-                    self.buckets.append(bucket)
-                    bucket, filled = [], 0
-            if bucket:
-                self.buckets.append(bucket)
-        self.bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
+        # backward produces the last gradients first: fill buckets from the end
+        self.buckets = reduction.plan(_specs(self.params), fusion_bytes, backward=True)
+        self.bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket.indices}
         self.handles = [p.register_post_accumulate_grad_hook(self._hook(i))
                         for i, p in enumerate(self.params)]
         self._reset()
@@ -263,14 +251,14 @@ class GradientBuckets:
             bucket = self.bucket_of[index]
             self.arrived[bucket] += 1
             while (self.next_bucket < len(self.buckets) and self.arrived[self.next_bucket]
-                   == len(self.buckets[self.next_bucket])):
+                   == len(self.buckets[self.next_bucket].indices)):
                 self._launch(self.next_bucket)
         return on_gradient
 
     def _launch(self, bucket):
-        indices = self.buckets[bucket]
-        self.launched[bucket] = self.plan.launch([self.params[i].grad for i in indices],
-                                                 [self.params[i] for i in indices])
+        indices = self.buckets[bucket].indices
+        self.launched[bucket] = self.reducer.launch([self.params[i].grad for i in indices],
+                                                    [self.params[i] for i in indices])
         self.next_bucket += 1
 
     def covers(self, variables) -> bool:
@@ -281,10 +269,10 @@ class GradientBuckets:
         while self.next_bucket < len(self.buckets):
             self._launch(self.next_bucket)
         result: List[Any] = [None] * len(self.params)
-        for bucket, indices in enumerate(self.buckets):
-            wire, work = self.launched[bucket]
-            for i, value in zip(indices, self.plan.finish(wire, work,
-                                                          [self.params[i] for i in indices])):
+        for position, bucket in enumerate(self.buckets):
+            wire, work = self.launched[position]
+            like = [self.params[i] for i in bucket.indices]
+            for i, value in zip(bucket.indices, self.reducer.finish(wire, work, like, bucket)):
                 result[i] = value
         self._reset()
         return result
