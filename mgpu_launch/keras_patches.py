@@ -78,10 +78,8 @@ from typing import Callable, Optional, Tuple
 
 from mgpu_launch import _patches_layers as _layers, _patches_training as _training
 from mgpu_launch._patches_training import uses_distributed_optimizer  # noqa: F401 (public here)
-
-
-class KerasInternalsError(RuntimeError):
-    """A Keras internal that mgpu_launch patches is missing or has another signature."""
+# the error of every Keras internal, the patched ones and those read elsewhere (public here)
+from mgpu_launch.keras_internals import SUPPORTED, KerasInternalsError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,8 +135,7 @@ class Patch:
 
     def _message(self, keras, where: str, problem: str) -> str:
         return (f"mgpu_launch patches {where}, but in Keras {keras.__version__} {problem}. "
-                f"mgpu_launch is tested with Keras 3.15 and 3.16: install one of those "
-                f"(pip install 'keras>=3.15,<3.17'), or report the Keras version.")
+                f"{SUPPORTED}")
 
 
 _BATCH_NORM = "keras.src.layers.normalization.batch_normalization:BatchNormalization"
