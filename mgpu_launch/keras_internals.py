@@ -78,9 +78,23 @@ def _module(name: str, why: str):
         raise internals_error(name, why, f"it cannot be imported ({error})") from error
 
 
-def _function(module: str, name: str, why: str):
+def _function(module, name: str, why: str):
+    """`module`'s `name` (`module`: a name, or a tuple of where Keras releases keep it)."""
     # looked up at every call: a patch (keras_patches) may rebind it in its module
+    if isinstance(module, tuple):
+        module = _first_importable(module, why)
     return _get(_module(module, why), name, why)
+
+
+@functools.lru_cache(maxsize=None)
+def _first_importable(modules: Tuple[str, ...], why: str) -> str:
+    for name in modules[:-1]:
+        try:
+            importlib.import_module(name)
+            return name
+        except ImportError:
+            continue
+    return modules[-1]  # its error, if any, names the newest place
 
 
 # -- optimizers ----------------------------------------------------------------------------------
@@ -264,7 +278,8 @@ def checkpoint_should_save(callback, epoch: int, batch, logs, filepath: str) -> 
 
 
 # -- the torch backend (the engine's prefetcher, CUDA-graph capture) ----------------------------
-_TORCH = "keras.src.backend.torch.core"
+#: Keras 3.15-3.16's module, then keras-team's HEAD's (3.16.0.dev, 2026-10)
+_TORCH = ("keras.src.backend.torch.core", "keras.src.backend.torch.ops.core")
 
 
 def torch_device():
