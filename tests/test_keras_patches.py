@@ -47,6 +47,15 @@ def test_a_missing_module_is_a_clear_error():
         Patch("keras.src.no_such_module:Thing", "run", ("self",)).check()
 
 
+def test_an_owner_may_name_where_another_keras_keeps_the_class():
+    moved = Patch("keras.src.no_such_module:Model|keras.src.models.model:Model", "fit",
+                  ("self", "x"))
+    assert moved.check() is keras.Model.fit
+    with pytest.raises(KerasInternalsError, match="cannot be imported"):
+        Patch("keras.src.models.model:NoModel|keras.src.no_such_module:Model", "fit",
+              ("self",)).check()
+
+
 def test_an_optional_attribute_may_be_absent_but_not_reshaped():
     assert Patch("keras.src.models.model:Model", "_absent_in_this_keras", ("self",),
                  optional=True).check() is None
