@@ -37,7 +37,8 @@ from typing import Callable, Optional
 
 import keras
 
-from mgpu_launch import collectives, engines, epoch_resume, keras_patches, resize, runtime
+from mgpu_launch import (collectives, engines, epoch_resume, keras_internals, keras_patches, resize,
+                         runtime)
 from mgpu_launch.callbacks.backup import BackupAndRestore
 from mgpu_launch.callbacks.io import _is_chief
 from mgpu_launch.callbacks.sync import model_state_variables
@@ -210,7 +211,7 @@ class CommitStateCallback(keras.callbacks.Callback):
         epochs, batches, note = epoch_resume.resume_point(*resume, _size(),
                                                           (self.params or {}).get("steps"))
         if epochs > self._first_epoch:  # a size change put the position past the epoch's end
-            self.model._initial_epoch = epochs - self._first_epoch
+            keras_internals.set_initial_epoch(self.model, epochs - self._first_epoch)
         keras_patches.resume_at(epochs, batches)
         self._resumed = batches
         if _is_chief():

@@ -12,6 +12,8 @@ rebuilt) and for data without shuffling; ``fit(shuffle=True)`` cannot be replaye
 import contextlib
 import warnings
 
+from mgpu_launch import keras_internals
+
 _training_data = None  # fit's x while a patched fit runs (BackupAndRestore asks its position)
 _warned_shuffle = []
 
@@ -139,7 +141,7 @@ def resumed_epoch(iterator, original, epochs: int, skip: int):
         ValueError: `skip` does not fit this ``fit``'s steps per epoch or steps per execution.
     """
     move_data_on(iterator.data_adapter, epochs)
-    steps = iterator.steps_per_epoch or iterator._num_batches or -1
+    steps = iterator.steps_per_epoch or keras_internals.epoch_batches(iterator) or -1
     per_call = iterator.steps_per_execution
     if not skip:
         yield from original(iterator)
@@ -151,7 +153,7 @@ def resumed_epoch(iterator, original, epochs: int, skip: int):
             f"steps_per_execution={per_call}. Resume with the data and fit arguments of the "
             f"interrupted run, or delete the backup folder.")
     adapter = iterator.data_adapter
-    if getattr(adapter, "shuffle", None) or getattr(adapter, "_shuffle", None):
+    if keras_internals.shuffles(adapter):
         warnings.warn(
             "BackupAndRestore: fit(shuffle=True) reorders the batches with a random state "
             "the restarted job cannot replay, so the resumed epoch drops the first "
@@ -159,16 +161,21 @@ def resumed_epoch(iterator, original, epochs: int, skip: int):
             "fit and shuffle with mgpu.data.shard(..., shuffle=True, seed=...).",
             stacklevel=3)
     adapter.on_epoch_begin()
-    iterator._current_iterator = iter(iterator._get_iterator())
+    batches = keras_internals.restart_batches(iterator)
     for _ in range(skip):  # read and drop: the order is the interrupted run's
-        next(iterator._current_iterator)
-    iterator._steps_seen = skip
+        next(batches)
+    keras_internals.set_steps_seen(iterator, skip)
     for step in range(skip, steps, per_call):
-        if iterator._num_batches and iterator._steps_seen >= iterator._num_batches:
+        if _epoch_done(iterator):
             break
-        iterator._steps_seen += per_call
-        yield step, step + per_call - 1, iterator._current_iterator
-    if iterator._num_batches and iterator._steps_seen >= iterator._num_batches:
-        iterator._current_iterator = None
-        iterator._steps_seen = 0
+        keras_internals.set_steps_seen(iterator, keras_internals.steps_seen(iterator) + per_call)
+        yield step, step + per_call - 1, keras_internals.current_batches(iterator)
+    if _epoch_done(iterator):
+        keras_internals.close_epoch(iterator)
     adapter.on_epoch_end()
+
+
+def _epoch_done(iterator) -> bool:
+    """Whether the epoch handed out every batch the data adapter has (when it knows)."""
+    batches = keras_internals.epoch_batches(iterator)
+    return bool(batches and keras_internals.steps_seen(iterator) >= batches)

@@ -24,7 +24,7 @@ from typing import Any, Dict, Optional
 
 import keras
 
-from mgpu_launch import collectives, runtime
+from mgpu_launch import collectives, keras_internals, runtime
 
 
 def add_agreement_check(arguments: Dict[str, Any]) -> None:
@@ -88,7 +88,8 @@ class AgreementCheck(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         facts = {"steps per epoch": self.params.get("steps"),
                  "epochs": self.params.get("epochs"),
-                 "first epoch": getattr(self.model, "_initial_epoch", None) or self.initial_epoch,
+                 "first epoch": (keras_internals.initial_epoch(self.model)
+                                 or self.initial_epoch),
                  **self.validation}
         everyone = collectives.allgather_object(facts)
         differing = {name: [rank_facts.get(name) for rank_facts in everyone]

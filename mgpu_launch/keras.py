@@ -37,7 +37,7 @@ import sys
 import keras
 import numpy as np
 
-from mgpu_launch import _horovod, collectives, engines, keras_patches, runtime
+from mgpu_launch import _horovod, collectives, engines, keras_internals, keras_patches, runtime
 from mgpu_launch import elastic  # noqa: F401 - hvd.elastic.KerasState, hvd.elastic.run
 from mgpu_launch import _keras_callbacks as callbacks, launch as _launch
 from mgpu_launch import optimizer as _optimizer, tensorflow_ops
@@ -332,8 +332,9 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
         # A new wrapper around the same (state-holding) inner optimizer, as mgpu.load_model
         # does: engines may read the compression when the wrapper is built.
         inner = loaded.inner_optimizer
-        if isinstance(inner._learning_rate, _optimizer._MultipliedSchedule):
-            inner._learning_rate = inner._learning_rate.schedule  # the new wrapper adds its own
+        rate = keras_internals.raw_learning_rate(inner)
+        if isinstance(rate, _optimizer._MultipliedSchedule):  # the new wrapper adds its own
+            keras_internals.swap_learning_rate(inner, rate.schedule)
         model.optimizer = _optimizer.DistributedOptimizer(
             inner, compression=codec, op=loaded.op, name=loaded.name,
             backward_passes_per_step=loaded.backward_passes_per_step,

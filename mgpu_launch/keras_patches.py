@@ -78,10 +78,8 @@ from typing import Callable, Optional, Tuple
 
 from mgpu_launch import _patches_layers as _layers, _patches_training as _training
 from mgpu_launch._patches_training import uses_distributed_optimizer  # noqa: F401 (public here)
-
-
-class KerasInternalsError(RuntimeError):
-    """A Keras internal that mgpu_launch patches is missing or has another signature."""
+# the error of every Keras internal, the patched ones and those read elsewhere (public here)
+from mgpu_launch.keras_internals import SUPPORTED, KerasInternalsError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +87,9 @@ class Patch:
     """One replaced Keras attribute.
 
     Args:
-        owner: ``"module:Class"`` where the attribute is looked up (and set).
+        owner: ``"module:Class"`` where the attribute is looked up (and set); alternatives
+            joined by ``|`` where a Keras release moved or renamed the class (the first that
+            imports is used).
         attribute: the method's name.
         parameters: the leading parameter names the replacement relies on, in order.
         optional: the attribute exists only in some Keras versions; absent means nothing to
@@ -105,8 +105,13 @@ class Patch:
     everywhere: bool = False
 
     def owner_class(self) -> type:
-        module_name, class_name = self.owner.split(":")
-        return getattr(importlib.import_module(module_name), class_name)
+        for candidate in self.owner.split("|"):
+            module_name, class_name = candidate.split(":")
+            try:
+                return getattr(importlib.import_module(module_name), class_name)
+            except (ImportError, AttributeError) as error:
+                missing = error
+        raise missing
 
     def check(self) -> Optional[Callable]:
         """The attribute as Keras has it now, after checking its shape (None: optional, absent).
@@ -137,11 +142,17 @@ class Patch:
 
     def _message(self, keras, where: str, problem: str) -> str:
         return (f"mgpu_launch patches {where}, but in Keras {keras.__version__} {problem}. "
-                f"mgpu_launch is tested with Keras 3.15 and 3.16: install one of those "
-                f"(pip install 'keras>=3.15,<3.17'), or report the Keras version.")
+                f"{SUPPORTED}")
 
 
 _BATCH_NORM = "keras.src.layers.normalization.batch_normalization:BatchNormalization"
+# Keras 3.15-3.16 names, then keras-team's HEAD's (3.16.0.dev, 2026-10: Trainer -> BaseTrainer,
+# the backends' JAXTrainer / TorchTrainer -> Trainer, torch's core -> ops.core)
+_TRAINER = "keras.src.trainers.trainer:Trainer|keras.src.trainers.trainer:BaseTrainer"
+_JAX_TRAINER = "keras.src.backend.jax.trainer:JAXTrainer|keras.src.backend.jax.trainer:Trainer"
+_TORCH_TRAINER = ("keras.src.backend.torch.trainer:TorchTrainer"
+                  "|keras.src.backend.torch.trainer:Trainer")
+_TORCH_CORE = "keras.src.backend.torch:core|keras.src.backend.torch.ops:core"
 #: name -> Patch; its factory (:data:`_FACTORIES`) builds the replacement from the original.
 PATCHES = {
     "fit": Patch("keras.src.models.model:Model", "fit",
@@ -152,28 +163,21 @@ PATCHES = {
                             "_get_iterator", ("self",)),
     "tf_iterator": Patch("keras.src.backend.tensorflow.trainer:TFEpochIterator",
                          "_get_iterator", ("self",)),
-    "jax_train_function": Patch("keras.src.backend.jax.trainer:JAXTrainer",
-                                "make_train_function", ("self", "force")),
-    "jax_state_sync": Patch("keras.src.backend.jax.trainer:JAXTrainer", "jax_state_sync",
-                            ("self",)),
-    "torch_ddp": Patch("keras.src.backend.torch.trainer:TorchTrainer", "_initialize_ddp",
-                       ("self",), optional=True),
-    "torch_train_function": Patch("keras.src.backend.torch.trainer:TorchTrainer",
-                                  "make_train_function", ("self", "force")),
+    "jax_train_function": Patch(_JAX_TRAINER, "make_train_function", ("self", "force")),
+    "jax_state_sync": Patch(_JAX_TRAINER, "jax_state_sync", ("self",)),
+    "torch_ddp": Patch(_TORCH_TRAINER, "_initialize_ddp", ("self",), optional=True),
+    "torch_train_function": Patch(_TORCH_TRAINER, "make_train_function", ("self", "force")),
     "torch_sgd_update": Patch("keras.src.backend.torch.optimizers.torch_sgd:SGD",
                               "_parallel_update_step",
                               ("self", "grads", "variables", "learning_rate")),
-    "torch_scalars": Patch("keras.src.backend.torch:core", "convert_to_tensor",
-                           ("x", "dtype"), everywhere=True),
-    "compile": Patch("keras.src.trainers.trainer:Trainer", "compile", ("self", "optimizer")),
+    "torch_scalars": Patch(_TORCH_CORE, "convert_to_tensor", ("x", "dtype"), everywhere=True),
+    "compile": Patch(_TRAINER, "compile", ("self", "optimizer")),
     "optimizer_variables": Patch("keras.src.optimizers.base_optimizer:BaseOptimizer",
                                  "variables", ("self",)),
     "resume_iterator": Patch("keras.src.trainers.epoch_iterator:EpochIterator",
                              "_enumerate_iterator", ("self",)),
-    "compile_config": Patch("keras.src.trainers.trainer:Trainer", "get_compile_config",
-                            ("self",)),
-    "tf_auto_jit": Patch("keras.src.trainers.trainer:Trainer", "_resolve_auto_jit_compile",
-                         ("self",)),
+    "compile_config": Patch(_TRAINER, "get_compile_config", ("self",)),
+    "tf_auto_jit": Patch(_TRAINER, "_resolve_auto_jit_compile", ("self",)),
     "batch_norm_init": Patch(_BATCH_NORM, "__init__", ("self", "axis", "momentum")),
     "batch_norm_moments": Patch(_BATCH_NORM, "_moments", ("self", "inputs", "mask")),
 }

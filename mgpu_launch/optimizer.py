@@ -13,7 +13,7 @@ from typing import Any, List, Optional
 import keras
 from keras import ops
 
-from mgpu_launch import collectives, engines, keras_patches, runtime
+from mgpu_launch import collectives, engines, keras_internals, keras_patches, runtime
 from mgpu_launch.collectives import MismatchError, ReduceOp
 from mgpu_launch.compression import Compression, Compressor
 from mgpu_launch.optimizer_step import Accumulation, _MultipliedSchedule, apply_inner, innermost
@@ -117,13 +117,14 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._accumulation: Optional[Accumulation] = None
         self._schedule: Optional[_MultipliedSchedule] = None
         scheduled = innermost(optimizer)  # under a LossScaleOptimizer: the optimizer it wraps
-        if isinstance(scheduled._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+        rate = keras_internals.raw_learning_rate(scheduled)
+        if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
             with keras.name_scope(self.name, caller=self):
                 self.lr_multiplier = self.add_variable(shape=(), initializer="ones",
                                                        name="lr_multiplier")
-            self._schedule = _MultipliedSchedule(scheduled._learning_rate, self.lr_multiplier,
+            self._schedule = _MultipliedSchedule(rate, self.lr_multiplier,
                                                  self.backward_passes_per_step)
-            scheduled._learning_rate = self._schedule
+            keras_internals.swap_learning_rate(scheduled, self._schedule)
         # Device prefetch of fit's batches (MGPU_PREFETCH), the ranks' agreement check before
         # the first step, and (JAX) the engine's train step: all patches of Keras internals.
         keras_patches.install(DistributedOptimizer)
@@ -166,16 +167,15 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         """
         if self._synced or not runtime.is_multi_process():
             return
-        from keras.src.backend.common.stateless_scope import in_stateless_scope
-        from keras.src.backend.common.symbolic_scope import in_symbolic_scope
-        if in_stateless_scope() or in_symbolic_scope():
+        if keras_internals.in_stateless_scope() or keras_internals.in_symbolic_scope():
             return
-        check_same_variables(self._trainable_variables, "the model's trainable variables")
+        trainable = keras_internals.built_variables(self)
+        check_same_variables(trainable, "the model's trainable variables")
         # Only the model's weights: fresh optimizer slots are equal (zeros) on every rank, and
         # slots created inside the step's trace cannot be read back yet.
         engine = engines.get_engine()
-        if engine.readable_on_host(self._trainable_variables):
-            engine.broadcast_variables(self._shared(self._trainable_variables), 0)
+        if engine.readable_on_host(trainable):
+            engine.broadcast_variables(self._shared(trainable), 0)
         else:  # created inside the step's trace (TF, lazily built models): sync in the step
             self._sync_in_step = True
         self._synced = True
@@ -197,7 +197,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     @property
     def variables(self):
-        return self._variables + self.inner_optimizer.variables
+        return keras_internals.own_variables(self) + self.inner_optimizer.variables
 
     # -- the step ---------------------------------------------------------------------------
     def register_local_var(self, var) -> None:
@@ -234,7 +234,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 self.build(trainable_variables)
             self.built = True
         self._sync_from_root()
-        variables = trainable_variables or self._trainable_variables
+        variables = trainable_variables or keras_internals.built_variables(self)
         if self._sync_in_step:
             self._broadcast_in_step(variables)
 
@@ -285,7 +285,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def load_own_variables(self, store):
         inner = self.inner_optimizer
         keys, expected = len(store.keys()), len(inner.variables)
-        if expected and keys == len(self._variables) + expected:
+        if expected and keys == len(keras_internals.own_variables(self)) + expected:
             # A file from mgpu_launch 0.1, which saved our variables first, then the inner's.
             for index, variable in enumerate(inner.variables):
                 variable.assign(store[str(keys - expected + index)])
@@ -306,13 +306,13 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     def _serialized_inner(self) -> dict:
         scheduled = innermost(self.inner_optimizer)
-        schedule = scheduled._learning_rate
+        schedule = keras_internals.raw_learning_rate(scheduled)
         if isinstance(schedule, _MultipliedSchedule):  # save the user's schedule, not ours
-            scheduled._learning_rate = schedule.schedule
+            keras_internals.swap_learning_rate(scheduled, schedule.schedule)
         try:
             return keras.saving.serialize_keras_object(self.inner_optimizer)
         finally:
-            scheduled._learning_rate = schedule
+            keras_internals.swap_learning_rate(scheduled, schedule)
 
     def get_config(self):
         return {

@@ -19,6 +19,8 @@ from typing import Any, Callable, List, Optional
 import keras
 from keras import ops
 
+from mgpu_launch import keras_internals
+
 
 def innermost(optimizer):
     """The optimizer at the bottom of a chain of wrappers (``inner_optimizer`` attributes)."""
@@ -29,8 +31,7 @@ def innermost(optimizer):
 
 def in_stateless_step() -> bool:
     """Whether variables are read and written through a Keras ``StatelessScope`` (JAX step)."""
-    from keras.src.backend.common.stateless_scope import in_stateless_scope
-    return in_stateless_scope()
+    return keras_internals.in_stateless_scope()
 
 
 def apply_inner(inner, grads: List[Any], trainable_variables,
@@ -45,7 +46,7 @@ def apply_inner(inner, grads: List[Any], trainable_variables,
     if not in_stateless_step():
         inner.apply(grads, trainable_variables)
         return
-    variables = list(inner._trainable_variables)
+    variables = list(keras_internals.built_variables(inner))
     if trainable_variables is not None and [id(v) for v in trainable_variables] != [
             id(v) for v in variables]:
         raise ValueError(

@@ -1,6 +1,8 @@
-"""The package's import graph: no circles, and the layers depend one way.
+"""The package's import graph: no circles, and the layers depend one way; Keras internals
+are touched in one place.
 
-    mgpu_launcher  <-  runtime  <-  collectives  <-  engines  <-  Keras glue  <-  tools
+    mgpu_launcher  <-  runtime  <-  collectives  <-  Keras internals  <-  engines  <-  Keras glue
+    <-  tools
 
 Every import counts, also one inside a function (a lazy import is still a dependency: the
 module cannot be read, tested or replaced without the one it imports). Read with ``ast``, so
@@ -23,6 +25,8 @@ LAYERS = [
                  "mgpu_launch.stall_channel", "mgpu_launch._auth",
                  "mgpu_launch.prefetch", "mgpu_launch.compression", "mgpu_launch.launch"]),
     ("collectives", ["mgpu_launch.collectives"]),
+    # the one door to Keras internals: the engines and the Keras glue both use it
+    ("Keras internals", ["mgpu_launch.keras_internals"]),
     ("engines", ["mgpu_launch.engines"]),
     ("Keras glue", ["mgpu_launch.fit_guard", "mgpu_launch.stall_probes",
                     "mgpu_launch.epoch_resume", "mgpu_launch.resize",
@@ -158,6 +162,8 @@ def test_the_launcher_imports_nothing_of_the_library():
 #: the registry of Keras patches and the private modules that build its replacements
 PATCH_MODULES = ("mgpu_launch.keras_patches", "mgpu_launch._patches_training",
                  "mgpu_launch._patches_layers")
+#: the only modules that may import ``keras.src`` or touch private attributes of Keras objects
+INTERNALS_MODULES = ("mgpu_launch.keras_internals",) + PATCH_MODULES
 
 
 def test_only_the_patch_module_assigns_to_keras_classes():
@@ -174,3 +180,182 @@ def test_only_the_patch_module_assigns_to_keras_classes():
                             and ast.unparse(target.value).startswith(keras_names)):
                         offenders.append(f"{name}: {ast.unparse(target)} = ...")
     assert not offenders, offenders
+
+
+# -- Keras internals only behind mgpu_launch.keras_internals -------------------------------------
+#: private attributes of objects that are not Keras's, where static reading cannot tell: each
+#: (module, attribute) with why it is not a Keras internal
+NOT_KERAS = {
+    ("mgpu_launch.engines.tensorflow", "_context_handle"):
+        "TensorFlow's eager context (tensorflow.python.eager.context), read to refuse a late "
+        "mgpu.init(); a TensorFlow internal, not a Keras one",
+}
+_IMPORTERS = ("import_module", "__import__")
+_ATTRIBUTE_CALLS = ("getattr", "setattr", "hasattr", "delattr")
+
+
+def _private(name: str) -> bool:
+    # _mgpu...: attributes mgpu_launch itself puts on Keras objects (markers, flags)
+    return name.startswith("_") and not name.startswith(("__", "_mgpu"))
+
+
+def _is_keras_src(module: str) -> bool:
+    return module == "keras.src" or module.startswith("keras.src.")
+
+
+def keras_src_imports(source: str) -> List[str]:
+    """Every way `source` reaches ``keras.src``: ``import keras.src...``, ``from keras.src...
+    import``, ``from keras import src``, ``keras.src`` as an attribute, and
+    ``importlib.import_module("keras.src...")`` / ``__import__`` with a literal name."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [f"line {node.lineno}: import {alias.name}" for alias in node.names
+                      if _is_keras_src(alias.name)]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            module = node.module or ""
+            if _is_keras_src(module) or (module == "keras" and any(
+                    alias.name == "src" for alias in node.names)):
+                found.append(f"line {node.lineno}: from {module} import ...")
+        elif (isinstance(node, ast.Attribute) and node.attr == "src"
+              and isinstance(node.value, ast.Name) and node.value.id == "keras"):
+            found.append(f"line {node.lineno}: keras.src")
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            function = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(
+                node.func, "id", "")
+            name = node.args[0].value
+            if function in _IMPORTERS and isinstance(name, str) and _is_keras_src(name):
+                found.append(f"line {node.lineno}: {function}({name!r})")
+    return found
+
+
+def _own_object(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and node.id in ("self", "cls")
+
+
+def defined_names(sources: Dict[str, str]) -> Set[str]:
+    """Private names the project defines itself: functions, classes and methods (overrides
+    of a Keras hook included), and attributes it sets on ``self`` / ``cls``."""
+    names = set()
+    for source in sources.values():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                  and _own_object(node.value)):
+                names.add(node.attr)
+            elif isinstance(node, ast.Call) and ast.unparse(node.func).startswith(
+                    ("vars(self).update", "super().__setattr__", "setattr")):
+                # vars(self).update(_tape=...), super().__setattr__("_x", v), setattr(self, ...)
+                names.update(k.arg for k in node.keywords if k.arg)
+                names.update(a.value for a in node.args if isinstance(a, ast.Constant)
+                             and isinstance(a.value, str))
+    return names
+
+
+def _imported_names(tree: ast.AST) -> Set[str]:
+    """Names bound by importing something other than Keras (torch, jax, os, ...)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names
+                         if a.name.split(".")[0] != "keras")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] not in (
+                "keras", "mgpu_launch") and not node.level:
+            names.update(a.asname or a.name for a in node.names)
+    return names
+
+
+def private_accesses(name: str, source: str, defined: Set[str]) -> List[str]:
+    """Accesses in `source` to a private attribute the project does not define (``x._y``,
+    ``getattr(x, "_y")``), on anything but a module imported from another framework."""
+    tree = ast.parse(source)
+    frameworks = _imported_names(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            owner, attribute = node.value, node.attr
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in _ATTRIBUTE_CALLS and len(node.args) > 1
+              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
+            owner, attribute = node.args[0], node.args[1].value
+        else:
+            continue
+        root = owner
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        if (not _private(attribute) or attribute in defined or (name, attribute) in NOT_KERAS
+                or (isinstance(root, ast.Name) and root.id in frameworks)):
+            continue
+        found.append(f"line {node.lineno}: {ast.unparse(owner)}.{attribute}")
+    return found
+
+
+def _sources(package: str) -> Dict[str, str]:
+    return {name: path.read_text() for name, path in modules().items()
+            if name.split(".")[0] == package}
+
+
+def boundary_offences(sources: Dict[str, str]) -> List[str]:
+    """``keras.src`` imports and private Keras attributes outside INTERNALS_MODULES."""
+    defined = defined_names(sources)
+    return [f"{name}: {offence}" for name, source in sorted(sources.items())
+            if name not in INTERNALS_MODULES
+            for offence in keras_src_imports(source) + private_accesses(name, source, defined)]
+
+
+def test_keras_internals_are_touched_only_behind_keras_internals():
+    offences = boundary_offences(_sources("mgpu_launch"))
+    offences += [f"{name}: {o}" for name, source in _sources("mgpu_launcher").items()
+                 for o in keras_src_imports(source)]
+    assert not offences, (
+        "Keras internals outside mgpu_launch/keras_internals.py (add a checked accessor there "
+        "and use it; a private name that is ours must be defined in the project):\n"
+        + "\n".join(offences))
+
+
+_PLANTED = '''
+import importlib
+
+import keras
+
+
+def restart(model, optimizer, callback):
+    from keras.src.backend.common import stateless_scope
+    model._initial_epoch = 3
+    rate = getattr(optimizer, "_learning_rate")
+    scope = importlib.import_module("keras.src.backend.common.stateless_scope")
+    return keras.src.utils, callback._should_save_model, self._trainable_variables
+'''
+
+
+def test_the_boundary_check_fails_on_planted_keras_internals():
+    sources = dict(_sources("mgpu_launch"), **{"mgpu_launch.planted": _PLANTED})
+    found = [o for o in boundary_offences(sources) if o.startswith("mgpu_launch.planted")]
+    for expected in ("from keras.src.backend.common import", "model._initial_epoch",
+                     "optimizer._learning_rate", "import_module('keras.src.backend.common",
+                     "keras.src", "callback._should_save_model", "self._trainable_variables"):
+        assert any(expected in offence for offence in found), (expected, found)
+    # the same source is fine in the internals module, and so are the project's own names
+    sources = dict(_sources("mgpu_launch"), **{"mgpu_launch.keras_internals": _PLANTED})
+    assert not boundary_offences(sources)
+
+
+def test_the_boundary_check_spares_the_projects_and_other_frameworks_names():
+    source = '''
+import torch
+from jax._src import xla_bridge
+
+
+class Engine:
+    def __init__(self):
+        self._watched = None
+
+    def _reset(self):
+        return torch._foreach_mul, xla_bridge._jax, self._watched, other._reset
+
+
+def flag(optimizer):
+    optimizer._mgpu_device_learning_rate = True
+'''
+    assert boundary_offences({"mgpu_launch.sample": source}) == []

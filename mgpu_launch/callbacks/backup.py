@@ -12,7 +12,8 @@ from typing import List, Optional, Tuple, Union
 
 import keras
 
-from mgpu_launch import collectives, engines, epoch_resume, keras_patches, resize, runtime
+from mgpu_launch import (collectives, engines, epoch_resume, keras_internals, keras_patches, resize,
+                         runtime)
 from mgpu_launch.callbacks.io import _is_chief, read_attributes, save_atomically
 from mgpu_launch.callbacks.schedule import lr_target, velocity_slots
 from mgpu_launch.callbacks.sync import model_state_variables
@@ -169,7 +170,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         if old_size != size and self.rescale_lr:
             note = ", ".join(filter(None, (note, self._rescale_learning_rate(size / old_size))))
         note = f" ({note})" if note else ""
-        model._initial_epoch, self._resumed_batches = epochs, batches
+        keras_internals.set_initial_epoch(model, epochs)
+        self._resumed_batches = batches
         keras_patches.resume_at(epochs, batches)
         if _is_chief():
             where = f", batch {batches + 1}" if batches else ""

@@ -11,7 +11,7 @@ from typing import Optional
 import keras
 import numpy as np
 
-from mgpu_launch import collectives, runtime
+from mgpu_launch import collectives, keras_internals, runtime
 
 _HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
           "on_train_batch_begin", "on_train_batch_end", "on_test_begin", "on_test_end",
@@ -118,7 +118,17 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     Example:
         >>> mgpu.callbacks.ModelCheckpoint("ckpt/model.keras", monitor="val_loss",
         ...                                save_best_only=True)
+
+    Raises:
+        KerasInternalsError: this Keras's ModelCheckpoint lacks a private method the class
+            overrides or calls (:func:`mgpu_launch.keras_internals.check_model_checkpoint`).
     """
+
+    def __init__(self, *args, **kwargs):
+        # Keras calls our _save_model only while it still has one by that name: otherwise every
+        # rank would write, non-atomically, through Keras's own. Refuse before training.
+        keras_internals.check_model_checkpoint()
+        super().__init__(*args, **kwargs)
 
     def _averaged(self, logs):
         if (not self.save_best_only or not runtime.is_multi_process() or not logs
@@ -130,8 +140,9 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         return logs
 
     def on_train_batch_end(self, batch, logs=None):
-        if self._should_save_on_batch(batch):
-            self._save_model(epoch=self._current_epoch, batch=batch, logs=self._averaged(logs))
+        if keras_internals.checkpoint_should_save_on_batch(self, batch):
+            self._save_model(epoch=keras_internals.checkpoint_current_epoch(self), batch=batch,
+                             logs=self._averaged(logs))
 
     def on_epoch_end(self, epoch, logs=None):
         super().on_epoch_end(epoch, self._averaged(logs))
@@ -139,8 +150,8 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
     def _save_model(self, epoch, batch, logs):
         if not _is_chief():
             return
-        filepath = self._get_file_path(epoch, batch, logs)
-        if not self._should_save_model(epoch, batch, logs, filepath):
+        filepath = keras_internals.checkpoint_file_path(self, epoch, batch, logs)
+        if not keras_internals.checkpoint_should_save(self, epoch, batch, logs, filepath):
             return
         save_atomically(self.model, filepath, weights_only=self.save_weights_only)
         if self.verbose > 0:

@@ -21,7 +21,7 @@ from typing import Callable, Optional, Union
 
 import keras
 
-from mgpu_launch import runtime
+from mgpu_launch import keras_internals, runtime
 
 
 def _innermost(optimizer):
@@ -39,10 +39,9 @@ def velocity_slots(optimizer) -> list:
     inner = _innermost(optimizer)
     if not float(getattr(inner, "momentum", 0.0) or 0.0) or not inner.built:
         return []  # no momentum, or no step taken yet (TF builds in the first step): v == 0
-    for name in ("momentums", "_momentums"):
-        slots = getattr(inner, name, None)
-        if isinstance(slots, (list, tuple)) and slots:
-            return list(slots)
+    slots = keras_internals.momentum_slots(inner)
+    if slots:
+        return slots
     raise ValueError(
         f"momentum_correction=True, but {type(inner).__name__} keeps its momentum in a way "
         f"mgpu_launch cannot correct (no velocity slots found). Pass momentum_correction=False.")
@@ -52,7 +51,7 @@ def lr_target(optimizer):
     """Where the callback writes: ``("value", optimizer)`` for a float learning rate, or
     ``("multiplier", variable)`` for a LearningRateSchedule wrapped by DistributedOptimizer."""
     inner = _innermost(optimizer)
-    schedule = getattr(inner, "_learning_rate", None)
+    schedule = keras_internals.raw_learning_rate(inner)
     if not isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
         return "value", optimizer
     multiplier = getattr(optimizer, "lr_multiplier", None)

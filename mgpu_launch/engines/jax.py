@@ -215,7 +215,7 @@ class JaxEngine(Engine):
         it is traced once as a pure function of their values inside ``jax.lax.cond``.
         """
         import jax
-        from keras.src.backend.common.stateless_scope import StatelessScope
+        from keras import StatelessScope
 
         variables = list(variables)
 

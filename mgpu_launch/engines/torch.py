@@ -287,7 +287,7 @@ def _to_device():
     stream, finished before the batch reaches the step. On CPU the thread only works ahead."""
     import torch
     from keras import tree
-    from keras.src.backend.torch.core import get_device
+    from mgpu_launch.keras_internals import torch_device as get_device
 
     device = torch.device(get_device())
     if device.type != "cuda":

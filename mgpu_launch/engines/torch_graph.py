@@ -71,8 +71,9 @@ def device_constant(value, dtype=None):
     """
     import numpy as np
     import torch
-    from keras.src.backend.config import floatx
-    from keras.src.backend.torch.core import get_device, to_torch_dtype
+    from keras.config import floatx
+
+    from mgpu_launch.keras_internals import to_torch_dtype, torch_device as get_device
 
     kind = type(value)
     if kind in (bool, int, float):
@@ -96,7 +97,7 @@ def device_constant(value, dtype=None):
         return None  # Keras converts these specially; leave them to it
     if dtype is None and isinstance(value, (list, tuple)):  # Keras: from the Python types
         from keras import tree
-        from keras.src.backend.common.dtypes import result_type
+        from keras.backend import result_type
         dtype = result_type(*[getattr(item, "dtype", type(item)) for item in tree.flatten(value)])
     torch_dtype = to_torch_dtype(dtype if dtype is not None else array.dtype.name)
     out = torch.empty(array.shape, dtype=torch_dtype, device=get_device())
@@ -332,7 +333,7 @@ def _to_device(value):
     """A batch leaf as the device tensor Keras would make of it (numpy included)."""
     if value is None or isinstance(value, (int, float, bool, str)):
         return value
-    from keras.src.backend.torch.core import convert_to_tensor
+    from mgpu_launch.keras_internals import torch_convert_to_tensor as convert_to_tensor
     return convert_to_tensor(value)
 
 
