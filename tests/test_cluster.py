@@ -24,7 +24,7 @@ import pytest
 
 from conftest import ROOT, SCRIPTS, daemons_up, explain, job_env
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.job]
 
 CLUSTER_SH = os.path.join(ROOT, "scripts", "cluster.sh")
 REPORT = os.path.join(SCRIPTS, "report.py")

@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT, explain, job_env, launch, requires_mpirun
 
 BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
-pytestmark = [requires_mpirun, pytest.mark.backend]
+pytestmark = [requires_mpirun, pytest.mark.backend, pytest.mark.job]
 pytest.importorskip(BACKEND)
 pytest.importorskip("sklearn")
 ENV = {"KERAS_BACKEND": BACKEND, "TF_CPP_MIN_LOG_LEVEL": "2"}

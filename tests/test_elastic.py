@@ -27,6 +27,7 @@ def _once_each(used, dropped_below, samples=SAMPLES):
 
 
 @requires_mpirun
+@pytest.mark.job
 @pytest.mark.parametrize("before, after, resumed, left", [
     # 2 x 4 samples a step: the backup after batch 3 of epoch 2 is at sample 24 of its order;
     # 1 process continues with batch 7 of 16 and uses all 64
@@ -180,6 +181,7 @@ def _finish(proc, timeout=300):
 # 127.0.0.1 (-H localhost:2,127.0.0.1:2), so killing ranks 2 and 3 and dropping 127.0.0.1 from
 # discovery is losing the second host. tests/test_cluster.py does it with two real nodes.
 @requires_mpirun
+@pytest.mark.job
 def test_an_elastic_job_goes_on_without_a_lost_host_and_grows_back(tmp_path):
     pytest.importorskip("tensorflow")
     hosts = tmp_path / "hosts"
@@ -227,6 +229,7 @@ def test_an_elastic_job_goes_on_without_a_lost_host_and_grows_back(tmp_path):
 
 
 @requires_mpirun
+@pytest.mark.job
 def test_fewer_slots_than_min_np_stop_the_job_cleanly(tmp_path):
     pytest.importorskip("tensorflow")
     hosts = tmp_path / "hosts"

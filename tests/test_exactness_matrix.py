@@ -101,11 +101,13 @@ def check_case(directory, case, np_):
                                        **FLOAT32)
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("case", CASES)
 def test_two_processes_match_one_process(two_process_job, case):
     check_case(two_process_job, case, 2)
 
 
+@pytest.mark.job
 def test_four_processes_match_one_process(tmp_path):
     run_job(tmp_path, ["transformer_adamw"], 4)
     check_case(tmp_path, "transformer_adamw", 4)

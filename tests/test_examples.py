@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, explain, job_env, launch, requires_mpirun
+from conftest import ROOT, explain, job_env, launch, python_env, requires_mpirun
 
 BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
 pytestmark = requires_mpirun
@@ -23,6 +23,7 @@ CIFAR_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
 
 
 @pytest.mark.backend
+@pytest.mark.job
 def test_quick_start_example_trains_on_two_processes(tmp_path):
     checkpoint = tmp_path / "train.keras"
     result = launch("-np", "2", "examples/train.py", "--epochs", "1", "--checkpoint",
@@ -32,6 +33,7 @@ def test_quick_start_example_trains_on_two_processes(tmp_path):
     assert "samples_per_sec" in result.stdout and checkpoint.exists()
 
 
+@pytest.mark.job
 def test_resnet50_synthetic_benchmark_prints_img_per_sec(tmp_path):
     result = launch("-np", "2", "examples/keras_resnet50_synthetic.py", "--image-size", "32",
                     "--batch-size", "2", "--num-classes", "10", "--num-warmup-batches", "1",
@@ -54,6 +56,7 @@ def write_tiny_cifar(folder, images_per_file=24):
     return folder
 
 
+@pytest.mark.job
 def test_cifar10_cnn_trains_from_a_local_cifar_folder(tmp_path):
     data = write_tiny_cifar(tmp_path / "cifar-10-batches-py")
     checkpoint = tmp_path / "cnn.keras"
@@ -72,12 +75,13 @@ def test_cifar10_cnn_trains_from_a_local_cifar_folder(tmp_path):
 def test_cifar10_cnn_explains_a_wrong_data_path(tmp_path, argv, says):
     argv = [arg.format(tmp=tmp_path) for arg in argv]
     result = subprocess.run([sys.executable, "examples/keras_cifar10_cnn.py", *argv], cwd=ROOT,
-                            env=job_env(**ENV), capture_output=True, text=True, timeout=60)
+                            env=python_env(**ENV), capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, explain(result)
     assert says.format(tmp=tmp_path) in result.stderr, explain(result)
     assert "cifar-10-python.tar.gz" in result.stderr and "--synthetic" in result.stderr
 
 
+@pytest.mark.job
 def test_cifar10_cnn_runs_on_synthetic_data(tmp_path):
     result = subprocess.run(
         [sys.executable, "examples/keras_cifar10_cnn.py", "--synthetic", "--epochs", "1",
@@ -88,6 +92,7 @@ def test_cifar10_cnn_runs_on_synthetic_data(tmp_path):
     assert "(1 processes, 1 epochs, synthetic data)" in result.stdout, explain(result)
 
 
+@pytest.mark.job
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="a Horovod TF2-Keras script: TensorFlow only")
 def test_horovod_style_script_runs_with_only_its_import_changed(tmp_path):
     pytest.importorskip("sklearn")
@@ -104,6 +109,7 @@ def test_horovod_style_script_runs_with_only_its_import_changed(tmp_path):
     assert "import mgpu_launch.keras as hvd" in source and "import mgpu_launch as" not in source
 
 
+@pytest.mark.job
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="a TensorFlow custom loop: TensorFlow only")
 def test_tensorflow_custom_loop_trains_on_two_processes():
     pytest.importorskip("sklearn")
@@ -115,6 +121,7 @@ def test_tensorflow_custom_loop_trains_on_two_processes():
     assert float(line[0].rsplit(" ", 1)[1]) > 0.8, line   # 0.93 here (2026-11-24)
 
 
+@pytest.mark.job
 def test_train_on_two_processes_then_serve_on_one(tmp_path):
     pytest.importorskip("sklearn")
     out = tmp_path / "served"

@@ -87,6 +87,7 @@ def trial(directory, index, kind, step):
 
 
 @requires_mpirun
+@pytest.mark.job
 def test_twenty_faults_no_hang_no_orphan(tmp_path):
     faultkit.require_backend(BACKEND)
     with concurrent.futures.ThreadPoolExecutor(PARALLEL) as pool:

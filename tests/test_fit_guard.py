@@ -6,7 +6,7 @@ import pytest
 
 from conftest import SCRIPTS, explain, launch, requires_mpirun
 
-pytestmark = requires_mpirun
+pytestmark = [requires_mpirun, pytest.mark.job]
 BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
 pytest.importorskip(BACKEND)
 

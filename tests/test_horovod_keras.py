@@ -8,7 +8,7 @@ import pytest
 from conftest import SCRIPTS, explain, launch, requires_mpirun
 
 BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
-pytestmark = requires_mpirun
+pytestmark = [requires_mpirun, pytest.mark.job]
 pytest.importorskip(BACKEND)
 
 

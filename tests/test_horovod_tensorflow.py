@@ -12,7 +12,7 @@ if BACKEND != "tensorflow":
     # Before any TensorFlow import: TF loaded in the pytest process aborts torch's (triton's)
     # import later in the same process (seen in CI's torch phase).
     pytest.skip("horovod.tensorflow's names: TensorFlow only", allow_module_level=True)
-pytestmark = requires_mpirun
+pytestmark = [requires_mpirun, pytest.mark.job]
 pytest.importorskip("tensorflow")
 
 EXPECTED = {  # rank -> the collectives' results, the same eagerly and inside a tf.function

@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT, SCRIPTS, job_env, requires_mpirun
 
 BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
-pytestmark = requires_mpirun
+pytestmark = [requires_mpirun, pytest.mark.job]
 
 
 def _start(state_dir, out, *extra, restarts=()):

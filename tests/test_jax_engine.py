@@ -7,7 +7,7 @@ import pytest
 
 from conftest import SCRIPTS, explain, launch, requires_mpirun
 
-pytestmark = [requires_mpirun, pytest.mark.backend,
+pytestmark = [requires_mpirun, pytest.mark.backend, pytest.mark.job,
               pytest.mark.skipif(os.environ.get("KERAS_BACKEND") != "jax",
                                  reason="JAX-backend only")]
 pytest.importorskip("jax")

@@ -15,7 +15,7 @@ from conftest import ROOT, SCRIPTS, explain, find_mpirun, job_env, launch, requi
 REPORT = os.path.join(SCRIPTS, "report.py")
 FAIL = os.path.join(SCRIPTS, "fail.py")
 
-pytestmark = requires_mpirun
+pytestmark = [requires_mpirun, pytest.mark.job]
 
 
 def read_reports(directory, size):

@@ -136,6 +136,7 @@ def test_a_killed_ranks_last_lines_leave_out_start_up_notices():
 
 
 @requires_mpirun
+@pytest.mark.job
 def test_four_ranks_of_the_digits_example_print_tensorflows_start_up_lines_once(tmp_path):
     pytest.importorskip("tensorflow")
     # A wide window: four TF imports on two loaded CI cores can be seconds apart.

@@ -33,6 +33,7 @@ def test_the_environment_gives_the_default(monkeypatch):
 # Recovery from a SIGKILLed rank (exit 0, training resumed) is the resume test below, on every
 # backend; this one checks the summaries, the teardown and the status when no attempt succeeds.
 @requires_mpirun
+@pytest.mark.job
 def test_every_attempt_failing_gives_the_last_attempts_status(tmp_path):
     faultkit.require_backend(BACKEND)
     out = str(tmp_path)
@@ -49,6 +50,7 @@ def test_every_attempt_failing_gives_the_last_attempts_status(tmp_path):
 
 
 @requires_mpirun
+@pytest.mark.job
 def test_a_script_that_fails_before_its_first_step_is_not_restarted():
     result = launch("-np", "2", "--max-restarts", "3", "-c", "import no_such_module_here",
                     timeout=120, MGPU_ENGINE="none")
@@ -83,6 +85,7 @@ def _check_restart_equals_uninterrupted(tmp_path, **env):
 
 @requires_mpirun
 @pytest.mark.backend
+@pytest.mark.job
 def test_restarted_with_epoch_backups_ends_like_an_uninterrupted_run(tmp_path):
     faultkit.require_backend(BACKEND)
     _check_restart_equals_uninterrupted(tmp_path)
@@ -92,6 +95,7 @@ def test_restarted_with_epoch_backups_ends_like_an_uninterrupted_run(tmp_path):
 # (BackupAndRestore(save_freq=3)), so the restart resumes mid-epoch.
 @requires_mpirun
 @pytest.mark.backend
+@pytest.mark.job
 def test_restarted_with_step_backups_ends_like_an_uninterrupted_run(tmp_path):
     faultkit.require_backend(BACKEND)
     _check_restart_equals_uninterrupted(tmp_path, RESUME_SAVE_FREQ="3")
@@ -101,6 +105,7 @@ def test_restarted_with_step_backups_ends_like_an_uninterrupted_run(tmp_path):
 # resumed epoch drops batches of an order nobody can replay (measured before: 27% off).
 @requires_mpirun
 @pytest.mark.backend
+@pytest.mark.job
 def test_a_plain_fit_on_shuffled_shard_data_resumes_exactly(tmp_path):
     faultkit.require_backend(BACKEND)
     runs = {}

@@ -24,6 +24,7 @@ def weights(out):
     return [list(np.load(out / f"rank.{r}.npz").values()) for r in range(2)]
 
 
+@pytest.mark.job
 def test_killed_mid_epoch_then_restarted_equals_uninterrupted(tmp_path):
     (tmp_path / "ref").mkdir()
     (tmp_path / "resumed").mkdir()
@@ -50,6 +51,7 @@ def run_steps(backup, out, *kill):
                   *kill, timeout=180, **ENV)
 
 
+@pytest.mark.job
 def test_killed_mid_epoch_resumes_at_the_backed_up_batch(tmp_path):
     for name in ("ref", "resumed"):
         (tmp_path / name).mkdir()

@@ -15,7 +15,7 @@ import pytest
 from conftest import SCRIPTS, explain, job_env, launch, requires_mpirun
 
 BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
-pytestmark = requires_mpirun
+pytestmark = [requires_mpirun, pytest.mark.job]
 pytest.importorskip(BACKEND)
 SAVING = os.path.join(SCRIPTS, "saving.py")
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2"}

@@ -62,6 +62,7 @@ def test_positions_only_move_forward(monkeypatch):
 
 @requires_mpirun
 @pytest.mark.backend
+@pytest.mark.job
 def test_a_stalled_rank_is_named_then_the_job_is_shut_down(tmp_path):
     faultkit.require_backend(BACKEND)
     out = str(tmp_path)
@@ -90,6 +91,7 @@ def test_a_stalled_rank_is_named_then_the_job_is_shut_down(tmp_path):
 
 
 @requires_mpirun
+@pytest.mark.job
 def test_a_stall_that_ends_is_one_warning_and_the_job_finishes(tmp_path):
     faultkit.require_backend(BACKEND)
     out = str(tmp_path)

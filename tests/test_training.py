@@ -14,7 +14,7 @@ import pytest
 from conftest import SCRIPTS, explain, launch, requires_mpirun
 
 BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
-pytestmark = [requires_mpirun, pytest.mark.backend]
+pytestmark = [requires_mpirun, pytest.mark.backend, pytest.mark.job]
 pytest.importorskip(BACKEND)
 only_on = {name: pytest.mark.skipif(BACKEND != name, reason=f"{name}-backend only")
            for name in ("tensorflow", "jax", "torch")}
