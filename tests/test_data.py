@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from conftest import SCRIPTS, explain, launch, requires_mpirun
+from conftest import SCRIPTS, launch_ok, requires_mpirun
 
 # The worker also shards a tf.data.Dataset, so it runs on the TensorFlow backend. Do not import
 # tensorflow here: next to a CUDA build of torch (with triton) in one process it aborts.
@@ -20,9 +20,8 @@ SAMPLES, BATCH, SIZE = 1001, 32, 2
 @pytest.fixture(scope="module")
 def seen(tmp_path_factory):
     out = tmp_path_factory.mktemp("shard")
-    result = launch("-np", str(SIZE), os.path.join(SCRIPTS, "shard_ids.py"), str(out),
-                    timeout=180, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
-    assert result.returncode == 0, explain(result)
+    launch_ok("-np", str(SIZE), os.path.join(SCRIPTS, "shard_ids.py"), str(out), timeout=180,
+              KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
     return [json.loads((out / f"rank.{r}.json").read_text()) for r in range(SIZE)]
 
 

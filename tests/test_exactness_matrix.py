@@ -28,11 +28,9 @@ import os
 import numpy as np
 import pytest
 
-from conftest import SCRIPTS, explain, launch, requires_mpirun
+from conftest import BACKEND, SCRIPTS, launch_ok, requires_mpirun
 
-BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
-pytestmark = [requires_mpirun, pytest.mark.backend]
-pytest.importorskip(BACKEND)
+pytestmark = [requires_mpirun, pytest.mark.backend, pytest.mark.usefixtures("backend")]
 
 WORKER = os.path.join(SCRIPTS, "exactness.py")
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_BACKEND": BACKEND}
@@ -56,10 +54,8 @@ def names(cases):
 
 
 def run_job(directory, cases, np_):
-    result = launch("-np", str(np_), WORKER, json.dumps(names(cases)), str(directory),
-                    timeout=900, **QUIET)
-    assert result.returncode == 0, explain(result)
-    return result
+    return launch_ok("-np", str(np_), WORKER, json.dumps(names(cases)), str(directory),
+                     timeout=900, **QUIET)
 
 
 def load(path):

@@ -11,20 +11,17 @@ import os
 import numpy as np
 import pytest
 
-from conftest import SCRIPTS, explain, launch, requires_mpirun
+from conftest import BACKEND, SCRIPTS, launch_ok, requires_mpirun
 
-BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
-pytestmark = [requires_mpirun, pytest.mark.backend]
-pytest.importorskip(BACKEND)
+pytestmark = [requires_mpirun, pytest.mark.backend, pytest.mark.usefixtures("backend")]
 
 PROBE = os.path.join(SCRIPTS, "lr_probe.py")
 STEPS, SIZE, LR = 4, 2, 0.1  # 8 samples per rank, batch 2; 2 processes
 
 
 def probe(tmp_path, config):
-    result = launch("-np", str(SIZE), PROBE, json.dumps(config), str(tmp_path), timeout=180,
-                    KERAS_BACKEND=BACKEND, TF_CPP_MIN_LOG_LEVEL="2")
-    assert result.returncode == 0, explain(result)
+    launch_ok("-np", str(SIZE), PROBE, json.dumps(config), str(tmp_path), timeout=180,
+              KERAS_BACKEND=BACKEND, TF_CPP_MIN_LOG_LEVEL="2")
     ranks = [json.loads((tmp_path / f"rank.{r}.json").read_text()) for r in range(SIZE)]
     assert ranks[0] == ranks[1]  # every rank used the same rates
     return ranks[0]

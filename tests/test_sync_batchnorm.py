@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import SCRIPTS, explain, launch, requires_mpirun
+from conftest import SCRIPTS, launch_ok, requires_mpirun
 
 keras = pytest.importorskip("keras")
 
@@ -29,9 +29,7 @@ def weights_of(results, case):
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("sync_bn")
-    result = launch("-np", "2", os.path.join(SCRIPTS, "sync_bn.py"), str(out), timeout=300,
-                    **QUIET)
-    assert result.returncode == 0, explain(result)
+    launch_ok("-np", "2", os.path.join(SCRIPTS, "sync_bn.py"), str(out), timeout=300, **QUIET)
     return [dict(np.load(out / f"rank.{rank}.npz")) for rank in range(2)]
 
 

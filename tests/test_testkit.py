@@ -1,6 +1,7 @@
-"""The suite's own machinery (tests/conftest.py): the `job` marker's guard and its helpers."""
+"""The suite's own machinery (tests/conftest.py): the `job` guard, the `backend` fixture."""
 
 import os
+import sys
 
 import pytest
 
@@ -31,3 +32,18 @@ def test_a_process_that_is_no_job_needs_no_marker():
 def test_outside_a_test_nothing_is_checked(monkeypatch):
     monkeypatch.setattr(conftest, "_running", None)  # as at collection time
     conftest.require_job_marker()
+
+
+def test_the_backend_fixture_is_keras_backend_with_its_framework_imported(backend):
+    assert backend == conftest.BACKEND == os.environ.get("KERAS_BACKEND", "tensorflow")
+    assert conftest.FRAMEWORKS[backend] in sys.modules
+
+
+def test_a_backend_whose_framework_is_missing_skips_and_an_unknown_one_fails(monkeypatch):
+    monkeypatch.setitem(conftest.FRAMEWORKS, "absent", "no_such_framework_here")
+    with pytest.raises(pytest.skip.Exception, match="KERAS_BACKEND=absent: "
+                                                    "no_such_framework_here is not installed"):
+        conftest.import_backend("absent")
+    with pytest.raises(pytest.fail.Exception, match="KERAS_BACKEND='mxnet' is not a backend this "
+                                                    "suite tests; expected one of tensorflow"):
+        conftest.import_backend("mxnet")

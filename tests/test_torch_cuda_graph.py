@@ -9,15 +9,16 @@ without the flag. The exactness and LR-warm-up suites also pass with the flag se
 tests/test_lr_schedule.py``).
 """
 
-import os
 import warnings
 
 import numpy as np
 import pytest
 
-BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
+from conftest import BACKEND
+
 pytestmark = [pytest.mark.backend,
-              pytest.mark.skipif(BACKEND != "torch", reason="the torch engine's option")]
+              pytest.mark.skipif(BACKEND != "torch", reason="the torch engine's option"),
+              pytest.mark.usefixtures("backend")]
 
 
 def train(monkeypatch, env=None, **optimizer_options):
