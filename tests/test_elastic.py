@@ -181,6 +181,7 @@ def _finish(proc, timeout=300):
 # discovery is losing the second host. tests/test_cluster.py does it with two real nodes.
 @requires_mpirun
 @pytest.mark.job
+@pytest.mark.slow
 def test_an_elastic_job_goes_on_without_a_lost_host_and_grows_back(tmp_path):
     pytest.importorskip("tensorflow")
     hosts = tmp_path / "hosts"

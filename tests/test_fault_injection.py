@@ -87,6 +87,7 @@ def trial(directory, index, kind, step):
 
 @requires_mpirun
 @pytest.mark.job
+@pytest.mark.slow
 @pytest.mark.usefixtures("backend")
 def test_twenty_faults_no_hang_no_orphan(tmp_path):
     with concurrent.futures.ThreadPoolExecutor(PARALLEL) as pool:

@@ -148,6 +148,7 @@ def _forge_until(address, stop):
 
 @requires_mpirun
 @pytest.mark.job
+@pytest.mark.slow
 def test_attacks_on_the_inspector_change_nothing(tmp_path):
     faultkit.require_backend("tensorflow")
     out, go = str(tmp_path), str(tmp_path / "go")
