@@ -56,7 +56,7 @@ def test_the_flag_on_cpu_warns_once_and_changes_no_number(monkeypatch):
     weights, fallback = train(monkeypatch, env="1")
     assert len(fallback) == 1, fallback
     assert "MGPU_TORCH_CUDA_GRAPH" in fallback[0] and "no CUDA device" in fallback[0]
-    for ours, theirs in zip(weights, reference):
+    for ours, theirs in zip(weights, reference, strict=True):
         np.testing.assert_array_equal(ours, theirs)
 
 
