@@ -98,14 +98,12 @@ def check_case(directory, case, np_):
 
 
 @pytest.mark.job
-@pytest.mark.slow  # the one job of all the cases: the first case waits for it
 @pytest.mark.parametrize("case", CASES)
 def test_two_processes_match_one_process(two_process_job, case):
     check_case(two_process_job, case, 2)
 
 
 @pytest.mark.job
-@pytest.mark.slow
 def test_four_processes_match_one_process(tmp_path):
     run_job(tmp_path, ["transformer_adamw"], 4)
     check_case(tmp_path, "transformer_adamw", 4)

@@ -32,7 +32,6 @@ def test_quick_start_example_trains_on_two_processes(tmp_path):
 
 
 @pytest.mark.job
-@pytest.mark.slow
 def test_resnet50_synthetic_benchmark_prints_img_per_sec(tmp_path):
     result = launch_ok("-np", "2", "examples/keras_resnet50_synthetic.py", "--image-size", "32",
                        "--batch-size", "2", "--num-classes", "10", "--num-warmup-batches", "1",

@@ -81,7 +81,6 @@ def _check_restart_equals_uninterrupted(tmp_path, **env):
 @requires_mpirun
 @pytest.mark.backend
 @pytest.mark.job
-@pytest.mark.slow
 @pytest.mark.usefixtures("backend")
 def test_restarted_with_epoch_backups_ends_like_an_uninterrupted_run(tmp_path):
     _check_restart_equals_uninterrupted(tmp_path)
@@ -92,7 +91,6 @@ def test_restarted_with_epoch_backups_ends_like_an_uninterrupted_run(tmp_path):
 @requires_mpirun
 @pytest.mark.backend
 @pytest.mark.job
-@pytest.mark.slow
 @pytest.mark.usefixtures("backend")
 def test_restarted_with_step_backups_ends_like_an_uninterrupted_run(tmp_path):
     _check_restart_equals_uninterrupted(tmp_path, RESUME_SAVE_FREQ="3")
