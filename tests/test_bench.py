@@ -1,31 +1,28 @@
 """mgpu-bench end to end on CPU processes (the tool's own pipeline, tiny model), and its errors."""
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, explain, job_env, requires_mpirun
-
-BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
+from conftest import BACKEND, ROOT, assert_ok, explain, job_env, python_env, requires_mpirun
 
 
-def bench(*argv, timeout=600):
+def bench(*argv, timeout=600, job=True):
+    """``python -m mgpu_launch.bench argv...``; job=False: it must stop at its argument check."""
+    env = (job_env if job else python_env)(KERAS_BACKEND=BACKEND)
     return subprocess.run([sys.executable, "-m", "mgpu_launch.bench", *argv], cwd=ROOT,
-                          env=job_env(KERAS_BACKEND=BACKEND), capture_output=True, text=True,
-                          timeout=timeout)
+                          env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.job
 @requires_mpirun
-def test_cpu_run_writes_the_table_the_json_and_the_plot(tmp_path):
-    pytest.importorskip(BACKEND)
+def test_cpu_run_writes_the_table_the_json_and_the_plot(tmp_path, backend):
     pytest.importorskip("matplotlib")
-    result = bench("--cpu", "--gpus", "1,2", "--model", "mlp-tiny", "--steps", "5",
-                   "--backend", BACKEND, "--data", "host,numpy", "--out", str(tmp_path))
-    assert result.returncode == 0, explain(result)
-    assert "[1/2] " + BACKEND in result.stdout and "[2/2] " in result.stdout  # progress
+    result = assert_ok(bench("--cpu", "--gpus", "1,2", "--model", "mlp-tiny", "--steps", "5",
+                             "--backend", backend, "--data", "host,numpy", "--out", str(tmp_path)))
+    assert "[1/2] " + backend in result.stdout and "[2/2] " in result.stdout  # progress
     assert "gpus |     img/s | speedup | efficiency" in result.stdout
     document = json.loads((tmp_path / "results.json").read_text())
     assert {"machine", "cpu_count", "versions", "date", "command", "method", "device"} <= set(
@@ -37,7 +34,7 @@ def test_cpu_run_writes_the_table_the_json_and_the_plot(tmp_path):
     for row in rows:
         assert {"backend", "precision", "model", "batch_per_gpu", "gpus", "img_per_sec",
                 "speedup", "efficiency"} <= set(row)
-        assert row["backend"] == BACKEND and row["model"] == "mlp-tiny"
+        assert row["backend"] == backend and row["model"] == "mlp-tiny"
         assert row["img_per_sec"] > 0 and len(row["per_rank_img_per_sec"]) == row["gpus"]
         assert row["efficiency"] == pytest.approx(row["speedup"] / row["gpus"], abs=1e-3)
     assert [r["speedup"] for r in rows if r["gpus"] == 1] == [1.0, 1.0]
@@ -55,11 +52,12 @@ def test_cpu_run_writes_the_table_the_json_and_the_plot(tmp_path):
     (["--cpu", "--cuda-graph", "0,on"], "unknown on; expected one or more of: 0, 1"),
 ])
 def test_bad_arguments_exit_2_and_say_why(argv, message):
-    result = bench(*argv, timeout=60)
+    result = bench(*argv, timeout=60, job=False)
     assert result.returncode == 2, explain(result)
     assert message in result.stderr, explain(result)
 
 
+@pytest.mark.job
 @requires_mpirun
 def test_a_job_past_its_timeout_is_killed_reported_and_the_rest_still_written(tmp_path):
     result = bench("--cpu", "--gpus", "1", "--model", "mlp-tiny", "--steps", "5",
@@ -72,20 +70,19 @@ def test_a_job_past_its_timeout_is_killed_reported_and_the_rest_still_written(tm
 
 
 @pytest.mark.backend  # each backend's train function is wrapped by the step timer
+@pytest.mark.job
 @requires_mpirun
-def test_profile_gives_every_rank_its_breakdown_and_uint8_pixels_feed(tmp_path):
-    pytest.importorskip(BACKEND)
-    result = bench("--cpu", "--gpus", "2", "--model", "mlp-tiny", "--steps", "5",
-                   "--backend", BACKEND, "--data", "host-uint8", "--profile",
-                   "--out", str(tmp_path))
-    assert result.returncode == 0, explain(result)
+def test_profile_gives_every_rank_its_breakdown_and_uint8_pixels_feed(tmp_path, backend):
+    result = assert_ok(bench("--cpu", "--gpus", "2", "--model", "mlp-tiny", "--steps", "5",
+                             "--backend", backend, "--data", "host-uint8", "--profile",
+                             "--out", str(tmp_path)))
     (row,) = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert row["data"] == "host-uint8" and row["img_per_sec"] > 0
     profile = row["per_rank_profile"]
     assert len(profile) == 2
     for rank in profile:
         assert rank["step_ms"] > 0 and rank["input_ms"] >= 0 and rank["wait_ms"] >= 0
-        if BACKEND == "jax":  # the allreduce can be left out of the step: comm is split off
+        if backend == "jax":  # the allreduce can be left out of the step: comm is split off
             assert rank["compute_ms"] > 0 and "comm_ms" in rank
     assert min(rank["wait_ms"] for rank in profile) < 1.0  # someone is the last to arrive
     assert "Where the step time goes" in (tmp_path / "results.md").read_text()

@@ -24,7 +24,7 @@ import pytest
 from clusterkit import NODE_OF
 from conftest import SCRIPTS, explain
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.job]
 
 REPORT = os.path.join(SCRIPTS, "report.py")
 FAIL = os.path.join(SCRIPTS, "fail.py")

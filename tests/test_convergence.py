@@ -7,19 +7,17 @@ import sys
 
 import pytest
 
-from conftest import ROOT, explain, job_env, launch, requires_mpirun
+from conftest import BACKEND, ROOT, assert_ok, job_env, launch, requires_mpirun
 
-BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
-pytestmark = [requires_mpirun, pytest.mark.backend]
-pytest.importorskip(BACKEND)
+pytestmark = [requires_mpirun, pytest.mark.backend, pytest.mark.job,
+              pytest.mark.usefixtures("backend")]
 pytest.importorskip("sklearn")
 ENV = {"KERAS_BACKEND": BACKEND, "TF_CPP_MIN_LOG_LEVEL": "2"}
 ACCURACY = re.compile(r"final validation accuracy: ([0-9.]+)")
 
 
 def accuracy(result):
-    assert result.returncode == 0, explain(result)
-    return float(ACCURACY.search(result.stdout).group(1))
+    return float(ACCURACY.search(assert_ok(result).stdout).group(1))
 
 
 def test_digits_two_processes_match_one_within_a_point(tmp_path):

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from conftest import SCRIPTS, explain, launch, requires_mpirun
+from conftest import SCRIPTS, launch_ok, requires_mpirun
 
 # The worker also shards a tf.data.Dataset, so it runs on the TensorFlow backend. Do not import
 # tensorflow here: next to a CUDA build of torch (with triton) in one process it aborts.
@@ -20,12 +20,12 @@ SAMPLES, BATCH, SIZE = 1001, 32, 2
 @pytest.fixture(scope="module")
 def seen(tmp_path_factory):
     out = tmp_path_factory.mktemp("shard")
-    result = launch("-np", str(SIZE), os.path.join(SCRIPTS, "shard_ids.py"), str(out),
-                    timeout=180, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
-    assert result.returncode == 0, explain(result)
+    launch_ok("-np", str(SIZE), os.path.join(SCRIPTS, "shard_ids.py"), str(out), timeout=180,
+              KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
     return [json.loads((out / f"rank.{r}.json").read_text()) for r in range(SIZE)]
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("kind", ["arrays", "tfdata"])
 def test_equal_steps_disjoint_parts_and_coverage(seen, kind):
     for epoch in range(2):
@@ -38,6 +38,7 @@ def test_equal_steps_disjoint_parts_and_coverage(seen, kind):
         assert len(parts[0]) % BATCH == 0                      # whole batches: equal steps
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("kind", ["arrays", "tfdata"])
 def test_reshuffled_every_epoch_in_step_across_ranks(seen, kind):
     first, second = ([rank[kind][epoch] for rank in seen] for epoch in range(2))
@@ -46,12 +47,14 @@ def test_reshuffled_every_epoch_in_step_across_ranks(seen, kind):
     assert set(second[0]).isdisjoint(second[1])
 
 
+@pytest.mark.job
 def test_pydataset_batches_are_split_whole(seen):
     parts = [rank["pydataset"][0] for rank in seen]
     assert len(parts[0]) == 16 * BATCH and len(parts[1]) == 15 * BATCH + 9
     assert sorted(parts[0] + parts[1]) == list(range(SAMPLES))
 
 
+@pytest.mark.job
 def test_fit_on_sharded_arrays_runs_on_every_rank(seen):
     assert [rank["fit_epochs"] for rank in seen] == [2, 2]
 

@@ -12,7 +12,7 @@ import re
 import pytest
 
 import elastickit
-from conftest import SCRIPTS, explain, launch, requires_mpirun
+from conftest import SCRIPTS, explain, launch, launch_ok, requires_mpirun
 
 RESIZE = os.path.join(SCRIPTS, "resize_ids.py")
 SAMPLES = 64
@@ -27,6 +27,7 @@ def _once_each(used, dropped_below, samples=SAMPLES):
 
 
 @requires_mpirun
+@pytest.mark.job
 @pytest.mark.parametrize("before, after, resumed, left", [
     # 2 x 4 samples a step: the backup after batch 3 of epoch 2 is at sample 24 of its order;
     # 1 process continues with batch 7 of 16 and uses all 64
@@ -43,9 +44,8 @@ def test_a_job_resumed_with_another_size_uses_every_sample_of_the_epoch_once(
     killed = launch("-np", str(before), RESIZE, backup, out, "1", "4", timeout=180, **ENV)
     assert killed.returncode != 0, explain(killed)
     assert os.listdir(backup) == ["epoch-1-batch-3.weights.h5"], explain(killed)
-    result = launch("-np", str(after), RESIZE, backup, out, timeout=180,
-                    RESIZE_ATTEMPT="1", **ENV)
-    assert result.returncode == 0, explain(result)
+    result = launch_ok("-np", str(after), RESIZE, backup, out, timeout=180,
+                       RESIZE_ATTEMPT="1", **ENV)
     processes = {1: "1 process", 2: "2 processes"}
     factor = after / before
     assert (f"{resumed} from {backup} (backed up by {processes[before]} after "
@@ -188,6 +188,8 @@ def _finish(proc, timeout=300):
 # 127.0.0.1 (-H localhost:2,127.0.0.1:2), so killing ranks 2 and 3 and dropping 127.0.0.1 from
 # discovery is losing the second host. tests/test_cluster.py does it with two real nodes.
 @requires_mpirun
+@pytest.mark.job
+@pytest.mark.slow
 def test_an_elastic_job_goes_on_without_a_lost_host_and_grows_back(tmp_path):
     pytest.importorskip("tensorflow")
     hosts = tmp_path / "hosts"
@@ -235,6 +237,7 @@ def test_an_elastic_job_goes_on_without_a_lost_host_and_grows_back(tmp_path):
 
 
 @requires_mpirun
+@pytest.mark.job
 def test_fewer_slots_than_min_np_stop_the_job_cleanly(tmp_path):
     pytest.importorskip("tensorflow")
     hosts = tmp_path / "hosts"

@@ -28,11 +28,9 @@ import os
 import numpy as np
 import pytest
 
-from conftest import SCRIPTS, explain, launch, requires_mpirun
+from conftest import BACKEND, SCRIPTS, launch_ok, requires_mpirun
 
-BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
-pytestmark = [requires_mpirun, pytest.mark.backend]
-pytest.importorskip(BACKEND)
+pytestmark = [requires_mpirun, pytest.mark.backend, pytest.mark.usefixtures("backend")]
 
 WORKER = os.path.join(SCRIPTS, "exactness.py")
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_BACKEND": BACKEND}
@@ -56,10 +54,8 @@ def names(cases):
 
 
 def run_job(directory, cases, np_):
-    result = launch("-np", str(np_), WORKER, json.dumps(names(cases)), str(directory),
-                    timeout=900, **QUIET)
-    assert result.returncode == 0, explain(result)
-    return result
+    return launch_ok("-np", str(np_), WORKER, json.dumps(names(cases)), str(directory),
+                     timeout=900, **QUIET)
 
 
 def load(path):
@@ -101,11 +97,13 @@ def check_case(directory, case, np_):
                                        **FLOAT32)
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("case", CASES)
 def test_two_processes_match_one_process(two_process_job, case):
     check_case(two_process_job, case, 2)
 
 
+@pytest.mark.job
 def test_four_processes_match_one_process(tmp_path):
     run_job(tmp_path, ["transformer_adamw"], 4)
     check_case(tmp_path, "transformer_adamw", 4)

@@ -18,9 +18,8 @@ import time
 import pytest
 
 import faultkit
-from conftest import requires_mpirun
+from conftest import BACKEND, requires_mpirun
 
-BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
 TRIALS = int(os.environ.get("MGPU_FAULT_TRIALS", "20"))
 SEED = int(os.environ.get("MGPU_FAULT_SEED", "17"))
 PARALLEL = 2
@@ -87,8 +86,10 @@ def trial(directory, index, kind, step):
 
 
 @requires_mpirun
+@pytest.mark.job
+@pytest.mark.slow
+@pytest.mark.usefixtures("backend")
 def test_twenty_faults_no_hang_no_orphan(tmp_path):
-    faultkit.require_backend(BACKEND)
     with concurrent.futures.ThreadPoolExecutor(PARALLEL) as pool:
         results = list(pool.map(lambda args: trial(str(tmp_path), *args),
                                 [(index, kind, step) for index, (kind, step)

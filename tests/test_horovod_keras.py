@@ -5,17 +5,14 @@ import os
 
 import pytest
 
-from conftest import SCRIPTS, explain, launch, requires_mpirun
+from conftest import SCRIPTS, launch_ok, requires_mpirun
 
-BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
-pytestmark = requires_mpirun
-pytest.importorskip(BACKEND)
+pytestmark = [requires_mpirun, pytest.mark.job]
 
 
-def test_horovod_names_work_on_two_processes(tmp_path):
-    result = launch("-np", "2", os.path.join(SCRIPTS, "hvd_api.py"), str(tmp_path), timeout=180,
-                    KERAS_BACKEND=BACKEND, TF_CPP_MIN_LOG_LEVEL="2")
-    assert result.returncode == 0, explain(result)
+def test_horovod_names_work_on_two_processes(tmp_path, backend):
+    launch_ok("-np", "2", os.path.join(SCRIPTS, "hvd_api.py"), str(tmp_path), timeout=180,
+              KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for rank, report in enumerate(ranks):
         assert report["topology"] == [rank, 2, rank, 2, 0, 1, True]
@@ -44,7 +41,7 @@ def test_horovod_names_work_on_two_processes(tmp_path):
                                            else [[12.0, 15.0]])   # 3 rows: 2 + 1
         assert report["process_set"] == [2, [0, 1]]
         assert report["queries"] == [True, True, False, False, False, False]
-        if BACKEND == "tensorflow":
+        if backend == "tensorflow":
             assert report["in_graph"] == [[1.5, 5.0], [1.0, 2.0, 5.0], [2.0, 5.0],
                                           [[3.0, 10.0]] if rank == 0 else [[3.0, 10.0]]]
         assert report["best_checkpoint"] == "best_model.keras"

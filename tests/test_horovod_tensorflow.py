@@ -5,15 +5,13 @@ import os
 
 import pytest
 
-from conftest import SCRIPTS, explain, launch, requires_mpirun
+from conftest import BACKEND, SCRIPTS, launch_ok, requires_mpirun
 
-BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
 if BACKEND != "tensorflow":
     # Before any TensorFlow import: TF loaded in the pytest process aborts torch's (triton's)
     # import later in the same process (seen in CI's torch phase).
     pytest.skip("horovod.tensorflow's names: TensorFlow only", allow_module_level=True)
-pytestmark = requires_mpirun
-pytest.importorskip("tensorflow")
+pytestmark = [requires_mpirun, pytest.mark.job, pytest.mark.usefixtures("backend")]
 
 EXPECTED = {  # rank -> the collectives' results, the same eagerly and inside a tf.function
     0: {"reducescatter": [[0.0, 3.0, 6.0], [9.0, 12.0, 15.0]], "reducescatter_odd": [[1.5], [1.5]],
@@ -34,9 +32,8 @@ SAME_ON_EVERY_RANK = {
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     out = tmp_path_factory.mktemp("hvd_tf")
-    result = launch("-np", "2", os.path.join(SCRIPTS, "hvd_tf_api.py"), str(out), timeout=300,
-                    KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
-    assert result.returncode == 0, explain(result)
+    launch_ok("-np", "2", os.path.join(SCRIPTS, "hvd_tf_api.py"), str(out), timeout=300,
+              KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

@@ -8,10 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, SCRIPTS, job_env, requires_mpirun
+from conftest import BACKEND, ROOT, SCRIPTS, job_env, requires_mpirun
 
-BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
-pytestmark = requires_mpirun
+pytestmark = [requires_mpirun, pytest.mark.job]
 
 
 def _start(state_dir, out, *extra, restarts=()):
@@ -29,8 +28,7 @@ def _finish(process):
 
 
 @pytest.mark.backend
-def test_a_failure_after_a_commit_resumes_there_with_the_uninterrupted_weights(tmp_path):
-    pytest.importorskip(BACKEND)
+def test_a_failure_after_a_commit_resumes_there_with_the_uninterrupted_weights(tmp_path, backend):
     # Both jobs at once: the box is small, and the reference needs no restart.
     reference = _start(tmp_path / "state-ref", tmp_path / "ref")
     faulty = _start(tmp_path / "state", tmp_path / "run", "1", "4",

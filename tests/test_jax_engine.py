@@ -5,20 +5,18 @@ import time
 
 import pytest
 
-from conftest import SCRIPTS, explain, launch, requires_mpirun
+from conftest import BACKEND, SCRIPTS, explain, launch, launch_ok, requires_mpirun
 
-pytestmark = [requires_mpirun, pytest.mark.backend,
-              pytest.mark.skipif(os.environ.get("KERAS_BACKEND") != "jax",
-                                 reason="JAX-backend only")]
-pytest.importorskip("jax")
+pytestmark = [requires_mpirun, pytest.mark.backend, pytest.mark.job,
+              pytest.mark.skipif(BACKEND != "jax", reason="JAX-backend only"),
+              pytest.mark.usefixtures("backend")]
 
 SCRIPT = os.path.join(SCRIPTS, "jax_init.py")
 JAX = {"KERAS_BACKEND": "jax", "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
 def test_importing_keras_and_jax_before_init_is_fine():
-    result = launch("-np", "2", SCRIPT, "imports-first", timeout=120, **JAX)
-    assert result.returncode == 0, explain(result)
+    result = launch_ok("-np", "2", SCRIPT, "imports-first", timeout=120, **JAX)
     # Same weights on both ranks after a step; 2 devices in the job, 1 in this process.
     assert "ranks agree: True devices 2 local 1" in result.stdout, explain(result)
 

@@ -10,12 +10,13 @@ import time
 
 import pytest
 
-from conftest import ROOT, SCRIPTS, explain, find_mpirun, job_env, launch, requires_mpirun
+from conftest import (ROOT, SCRIPTS, assert_ok, explain, find_mpirun, job_env, launch, launch_ok,
+                      requires_mpirun)
 
 REPORT = os.path.join(SCRIPTS, "report.py")
 FAIL = os.path.join(SCRIPTS, "fail.py")
 
-pytestmark = requires_mpirun
+pytestmark = [requires_mpirun, pytest.mark.job]
 
 
 def read_reports(directory, size):
@@ -42,8 +43,7 @@ def check_two_rank_reports(reports):
 
 
 def test_standalone_two_ranks(tmp_path):
-    result = launch("-np", "2", REPORT, str(tmp_path))
-    assert result.returncode == 0, explain(result)
+    result = launch_ok("-np", "2", REPORT, str(tmp_path))
     check_two_rank_reports(read_reports(tmp_path, 2))
     assert reports_argv_ok(read_reports(tmp_path, 2), [str(tmp_path)])
     # Only rank 0's stdout by default, tagged with its rank.
@@ -56,8 +56,8 @@ def reports_argv_ok(reports, argv):
 
 def test_all_ranks_output_and_per_rank_logs(tmp_path):
     logs = tmp_path / "logs"
-    result = launch("-np", "2", "--all-ranks-output", "--output-dir", str(logs), REPORT, str(tmp_path))
-    assert result.returncode == 0, explain(result)
+    result = launch_ok("-np", "2", "--all-ranks-output", "--output-dir", str(logs), REPORT,
+                       str(tmp_path))
     assert "[0] rank 0 done" in result.stdout and "[1] rank 1 done" in result.stdout
     for rank in range(2):
         assert f"rank {rank} done" in (logs / f"rank.{rank}.log").read_text()
@@ -66,24 +66,21 @@ def test_all_ranks_output_and_per_rank_logs(tmp_path):
 def test_under_plain_mpirun(tmp_path):
     command = [find_mpirun(), "-np", "2", "--oversubscribe", sys.executable, "-m", "mgpu_launcher",
                REPORT, str(tmp_path)]
-    result = subprocess.run(command, cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, explain(result)
+    assert_ok(subprocess.run(command, cwd=ROOT, env=job_env(), capture_output=True, text=True,
+                             timeout=120))
     check_two_rank_reports(read_reports(tmp_path, 2))
 
 
 def test_module_and_code_modes():
     code = "import sys, mgpu_launch as m; m.init(); print('code', m.rank(), m.size(), sys.argv)"
-    result = launch("-np", "2", "--all-ranks-output", "-c", code, "a1")
-    assert result.returncode == 0, explain(result)
+    result = launch_ok("-np", "2", "--all-ranks-output", "-c", code, "a1")
     assert "[1] code 1 2 ['-c', 'a1']" in result.stdout
-    result = launch("-np", "2", "-m", "json.tool", "--help")
-    assert result.returncode == 0, explain(result)
+    result = launch_ok("-np", "2", "-m", "json.tool", "--help")
     assert "[0] usage:" in result.stdout
 
 
 def test_single_process_without_mpirun(tmp_path):
-    result = launch(REPORT, str(tmp_path))
-    assert result.returncode == 0, explain(result)
+    launch_ok(REPORT, str(tmp_path))
     report = read_reports(tmp_path, 1)[0]
     assert (report["size"], report["average"], report["gather"]) == (1, 1.0, [[0, 0]])
     assert report["env"]["MGPU_ENVIRONMENT"] == "single"

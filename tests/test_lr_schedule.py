@@ -11,20 +11,17 @@ import os
 import numpy as np
 import pytest
 
-from conftest import SCRIPTS, explain, launch, requires_mpirun
+from conftest import BACKEND, SCRIPTS, launch_ok, requires_mpirun
 
-BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
-pytestmark = [requires_mpirun, pytest.mark.backend]
-pytest.importorskip(BACKEND)
+pytestmark = [requires_mpirun, pytest.mark.backend, pytest.mark.usefixtures("backend")]
 
 PROBE = os.path.join(SCRIPTS, "lr_probe.py")
 STEPS, SIZE, LR = 4, 2, 0.1  # 8 samples per rank, batch 2; 2 processes
 
 
 def probe(tmp_path, config):
-    result = launch("-np", str(SIZE), PROBE, json.dumps(config), str(tmp_path), timeout=180,
-                    KERAS_BACKEND=BACKEND, TF_CPP_MIN_LOG_LEVEL="2")
-    assert result.returncode == 0, explain(result)
+    launch_ok("-np", str(SIZE), PROBE, json.dumps(config), str(tmp_path), timeout=180,
+              KERAS_BACKEND=BACKEND, TF_CPP_MIN_LOG_LEVEL="2")
     ranks = [json.loads((tmp_path / f"rank.{r}.json").read_text()) for r in range(SIZE)]
     assert ranks[0] == ranks[1]  # every rank used the same rates
     return ranks[0]
@@ -56,6 +53,7 @@ def warmup_rates(epochs, warmup_epochs):
             for e in range(epochs) for b in range(STEPS)]
 
 
+@pytest.mark.job
 def test_warmup_rate_used_at_every_batch_follows_the_formula(tmp_path):
     result = probe(tmp_path, {"warmup_epochs": 2, "epochs": 3})
     used = -np.diff([0.0] + result["weights"])
@@ -63,6 +61,7 @@ def test_warmup_rate_used_at_every_batch_follows_the_formula(tmp_path):
     np.testing.assert_allclose(result["lrs"], [LR * 0.75, LR, LR], rtol=1e-6)  # logs["lr"]
 
 
+@pytest.mark.job
 def test_momentum_correction_reaches_the_compiled_step(tmp_path):
     result = probe(tmp_path, {"warmup_epochs": 2, "epochs": 3, "optimizer": "momentum"})
     np.testing.assert_allclose(result["weights"],
@@ -70,6 +69,7 @@ def test_momentum_correction_reaches_the_compiled_step(tmp_path):
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.job
 def test_warmup_multiplies_a_learning_rate_schedule(tmp_path):
     result = probe(tmp_path, {"warmup_epochs": 2, "epochs": 3, "optimizer": "schedule"})
     used = -np.diff([0.0] + result["weights"])
@@ -77,6 +77,7 @@ def test_warmup_multiplies_a_learning_rate_schedule(tmp_path):
     np.testing.assert_allclose(used, np.array(warmup_rates(3, 2)) * decay, rtol=1e-5)
 
 
+@pytest.mark.job
 def test_schedule_with_a_constant_multiplier(tmp_path):
     # lr x 0.5^(epoch - 1) for epochs 1 and 2; epoch 0 keeps the optimizer's own 0.1.
     result = probe(tmp_path, {"schedule": [LR, 0.5, 1, 3], "epochs": 3})

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from conftest import explain, launch, requires_mpirun
+from conftest import explain, launch_ok, requires_mpirun
 from mgpu_launcher import merge, mpirun, supervisor
 
 
@@ -136,13 +136,13 @@ def test_a_killed_ranks_last_lines_leave_out_start_up_notices():
 
 
 @requires_mpirun
+@pytest.mark.job
 def test_four_ranks_of_the_digits_example_print_tensorflows_start_up_lines_once(tmp_path):
     pytest.importorskip("tensorflow")
     # A wide window: four TF imports on two loaded CI cores can be seconds apart.
-    result = launch("-np", "4", "examples/keras_digits.py", "--epochs", "1", "--checkpoint",
-                    str(tmp_path / "digits.keras"), timeout=400, KERAS_BACKEND="tensorflow",
-                    MGPU_MERGE_SECONDS="15")
-    assert result.returncode == 0, explain(result)
+    result = launch_ok("-np", "4", "examples/keras_digits.py", "--epochs", "1", "--checkpoint",
+                       str(tmp_path / "digits.keras"), timeout=400, KERAS_BACKEND="tensorflow",
+                       MGPU_MERGE_SECONDS="15")
     lines = result.stderr.splitlines()
     start_up = [line for line in lines if "InitializeLog" in line or "oneDNN" in line]
     assert start_up, explain(result)

@@ -17,19 +17,25 @@ def test_items_arrive_in_order_transformed_and_then_it_stops():
     assert list(prefetch.Prefetcher(range(50), lambda x: x * 2, depth=3)) == list(range(0, 100, 2))
 
 
-def test_the_thread_works_at_most_depth_items_ahead():
-    produced = []
+def test_the_thread_works_ahead_but_at_most_depth_items():
+    produced = []  # (item, the thread that produced it)
 
     def source():
         for i in range(100):
-            produced.append(i)
+            produced.append((i, threading.current_thread().name))
             yield i
 
     batches = prefetch.Prefetcher(source(), lambda x: x, depth=2)
     assert next(batches) == 0
+    # Ahead of the consumer: 1 handed out + 2 queued, made by the prefetch thread ...
+    deadline = time.monotonic() + 10
+    while len(produced) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [item for item, _ in produced[:3]] == [0, 1, 2], produced
+    assert {thread for _, thread in produced} == {"mgpu-prefetch"}, produced
     time.sleep(0.3)
-    # 1 handed out + 2 queued + 1 the thread holds while it waits for room
-    assert len(produced) <= 4
+    # ... and no further: + 1 the thread holds while it waits for room
+    assert len(produced) <= 4, produced
 
 
 def test_a_source_error_is_raised_in_the_consumer_after_the_good_items():
@@ -51,14 +57,15 @@ def test_dropping_the_iterator_early_ends_the_thread():
         while True:
             yield 0
 
-    before = threading.active_count()
+    before = set(threading.enumerate())
     batches = prefetch.Prefetcher(endless(), lambda x: x, depth=2)
     next(batches)
+    (thread,) = [t for t in threading.enumerate()
+                 if t not in before and t.name == "mgpu-prefetch"]  # it started ...
+    assert thread.is_alive()
     del batches
-    deadline = time.monotonic() + 5
-    while threading.active_count() > before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert threading.active_count() == before
+    thread.join(5)
+    assert not thread.is_alive()  # ... and ended with its iterator
 
 
 @pytest.mark.parametrize("value", ["-1", "two", "1.5"])

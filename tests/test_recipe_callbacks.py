@@ -5,20 +5,18 @@ import os
 
 import pytest
 
-from conftest import SCRIPTS, explain, launch, requires_mpirun
+from conftest import BACKEND, SCRIPTS, explain, launch, launch_ok, requires_mpirun
 
-BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
-pytestmark = [requires_mpirun, pytest.mark.backend]
+pytestmark = [requires_mpirun, pytest.mark.backend, pytest.mark.job,
+              pytest.mark.usefixtures("backend")]
 keras = pytest.importorskip("keras")
-pytest.importorskip(BACKEND)
 
 RECIPE = os.path.join(SCRIPTS, "recipe.py")
 ENV = {"KERAS_BACKEND": BACKEND, "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
 def test_checkpoints_are_written_once_by_rank_0_and_throughput_is_logged(tmp_path):
-    result = launch("-np", "2", RECIPE, "checkpoint", str(tmp_path), timeout=180, **ENV)
-    assert result.returncode == 0, explain(result)
+    launch_ok("-np", "2", RECIPE, "checkpoint", str(tmp_path), timeout=180, **ENV)
     assert sorted(os.listdir(tmp_path / "rank0")) == [f"model-{e}.keras" for e in (1, 2, 3)]
     assert not (tmp_path / "rank1").exists()
     everything = [name for _, _, files in os.walk(tmp_path) for name in files]

@@ -6,10 +6,8 @@ import numpy as np
 import pytest
 
 import faultkit
-from conftest import SCRIPTS, explain, launch, requires_mpirun
+from conftest import BACKEND, SCRIPTS, assert_ok, explain, launch, launch_ok, requires_mpirun
 from mgpu_launcher import cli
-
-BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
 
 
 @pytest.mark.parametrize("argv, env, message", [
@@ -33,11 +31,11 @@ def test_the_environment_gives_the_default(monkeypatch):
 # Recovery from a SIGKILLed rank (exit 0, training resumed) is the resume test below, on every
 # backend; this one checks the summaries, the teardown and the status when no attempt succeeds.
 @requires_mpirun
-def test_every_attempt_failing_gives_the_last_attempts_status(tmp_path):
-    faultkit.require_backend(BACKEND)
+@pytest.mark.job
+def test_every_attempt_failing_gives_the_last_attempts_status(tmp_path, backend):
     out = str(tmp_path)
     run = faultkit.finish(faultkit.start(out, "kill", 3, "--max-restarts", "1",
-                                         KERAS_BACKEND=BACKEND, FAULT_EVERY_ATTEMPT="1"),
+                                         KERAS_BACKEND=backend, FAULT_EVERY_ATTEMPT="1"),
                           out, timeout=300)
     assert run.returncode == 137, run.explain()  # mpirun's status for a SIGKILLed rank
     assert "mgpu-train: attempt 1 of 2 failed (exit status 137)" in run.stderr, run.explain()
@@ -49,6 +47,7 @@ def test_every_attempt_failing_gives_the_last_attempts_status(tmp_path):
 
 
 @requires_mpirun
+@pytest.mark.job
 def test_a_script_that_fails_before_its_first_step_is_not_restarted():
     result = launch("-np", "2", "--max-restarts", "3", "-c", "import no_such_module_here",
                     timeout=120, MGPU_ENGINE="none")
@@ -68,10 +67,8 @@ def _resume(backup, out, *kill, **env):
 def _check_restart_equals_uninterrupted(tmp_path, **env):
     (tmp_path / "ref").mkdir()
     (tmp_path / "restarted").mkdir()
-    reference = _resume(tmp_path / "ref-backup", tmp_path / "ref", **env)
-    assert reference.returncode == 0, explain(reference)
-    restarted = _resume(tmp_path / "backup", tmp_path / "restarted", "2", **env)
-    assert restarted.returncode == 0, explain(restarted)
+    assert_ok(_resume(tmp_path / "ref-backup", tmp_path / "ref", **env))
+    restarted = assert_ok(_resume(tmp_path / "backup", tmp_path / "restarted", "2", **env))
     assert "root cause: rank 1 failed first: killed by signal 9" in restarted.stderr
     assert "BackupAndRestore: resuming" in restarted.stdout, explain(restarted)
     from test_resume import weights  # here, not at the top: it imports no backend, but
@@ -83,8 +80,9 @@ def _check_restart_equals_uninterrupted(tmp_path, **env):
 
 @requires_mpirun
 @pytest.mark.backend
+@pytest.mark.job
+@pytest.mark.usefixtures("backend")
 def test_restarted_with_epoch_backups_ends_like_an_uninterrupted_run(tmp_path):
-    faultkit.require_backend(BACKEND)
     _check_restart_equals_uninterrupted(tmp_path)
 
 
@@ -92,8 +90,9 @@ def test_restarted_with_epoch_backups_ends_like_an_uninterrupted_run(tmp_path):
 # (BackupAndRestore(save_freq=3)), so the restart resumes mid-epoch.
 @requires_mpirun
 @pytest.mark.backend
+@pytest.mark.job
+@pytest.mark.usefixtures("backend")
 def test_restarted_with_step_backups_ends_like_an_uninterrupted_run(tmp_path):
-    faultkit.require_backend(BACKEND)
     _check_restart_equals_uninterrupted(tmp_path, RESUME_SAVE_FREQ="3")
 
 
@@ -101,16 +100,16 @@ def test_restarted_with_step_backups_ends_like_an_uninterrupted_run(tmp_path):
 # resumed epoch drops batches of an order nobody can replay (measured before: 27% off).
 @requires_mpirun
 @pytest.mark.backend
-def test_a_plain_fit_on_shuffled_shard_data_resumes_exactly(tmp_path):
-    faultkit.require_backend(BACKEND)
+@pytest.mark.job
+def test_a_plain_fit_on_shuffled_shard_data_resumes_exactly(tmp_path, backend):
     runs = {}
     for name, kill in (("ref", ()), ("restarted", ("1", "4"))):
         (tmp_path / name).mkdir()
-        runs[name] = launch("-np", "2", "--max-restarts", "1",
-                            os.path.join(SCRIPTS, "resume_steps.py"), str(tmp_path / f"{name}-b"),
-                            str(tmp_path / name), *kill, timeout=300, KERAS_BACKEND=BACKEND,
-                            TF_CPP_MIN_LOG_LEVEL="2", RESUME_PLAIN_FIT="1")
-        assert runs[name].returncode == 0, explain(runs[name])
+        runs[name] = launch_ok("-np", "2", "--max-restarts", "1",
+                               os.path.join(SCRIPTS, "resume_steps.py"),
+                               str(tmp_path / f"{name}-b"), str(tmp_path / name), *kill,
+                               timeout=300, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2",
+                               RESUME_PLAIN_FIT="1")
     assert "resuming at epoch 2, batch 4" in runs["restarted"].stdout, explain(runs["restarted"])
     from test_resume import weights
     expected, got = weights(tmp_path / "ref"), weights(tmp_path / "restarted")

@@ -6,11 +6,9 @@ import os
 import numpy as np
 import pytest
 
-from conftest import SCRIPTS, explain, launch, requires_mpirun
+from conftest import BACKEND, SCRIPTS, assert_ok, explain, launch, requires_mpirun
 
-BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
-pytestmark = [requires_mpirun, pytest.mark.backend]
-pytest.importorskip(BACKEND)
+pytestmark = [requires_mpirun, pytest.mark.backend, pytest.mark.usefixtures("backend")]
 
 RESUME = os.path.join(SCRIPTS, "resume.py")
 ENV = {"KERAS_BACKEND": BACKEND, "TF_CPP_MIN_LOG_LEVEL": "2"}
@@ -24,11 +22,11 @@ def weights(out):
     return [list(np.load(out / f"rank.{r}.npz").values()) for r in range(2)]
 
 
+@pytest.mark.job
 def test_killed_mid_epoch_then_restarted_equals_uninterrupted(tmp_path):
     (tmp_path / "ref").mkdir()
     (tmp_path / "resumed").mkdir()
-    reference = run(tmp_path / "ref-backup", tmp_path / "ref")
-    assert reference.returncode == 0, explain(reference)
+    assert_ok(run(tmp_path / "ref-backup", tmp_path / "ref"))
     assert not (tmp_path / "ref-backup").exists()  # removed after a normal finish
 
     killed = run(tmp_path / "backup", tmp_path / "resumed", "2")
@@ -36,8 +34,7 @@ def test_killed_mid_epoch_then_restarted_equals_uninterrupted(tmp_path):
     # Epochs 0 and 1 finished: the backup to resume from is the one before epoch 2.
     assert os.listdir(tmp_path / "backup") == ["epoch-2.weights.h5"], explain(killed)
 
-    resumed = run(tmp_path / "backup", tmp_path / "resumed")
-    assert resumed.returncode == 0, explain(resumed)
+    resumed = assert_ok(run(tmp_path / "backup", tmp_path / "resumed"))
     assert "resuming at epoch 3" in resumed.stdout
     expected, got = weights(tmp_path / "ref"), weights(tmp_path / "resumed")
     for rank in range(2):
@@ -50,11 +47,11 @@ def run_steps(backup, out, *kill):
                   *kill, timeout=180, **ENV)
 
 
+@pytest.mark.job
 def test_killed_mid_epoch_resumes_at_the_backed_up_batch(tmp_path):
     for name in ("ref", "resumed"):
         (tmp_path / name).mkdir()
-    reference = run_steps(tmp_path / "ref-backup", tmp_path / "ref")
-    assert reference.returncode == 0, explain(reference)
+    assert_ok(run_steps(tmp_path / "ref-backup", tmp_path / "ref"))
 
     killed = run_steps(tmp_path / "backup", tmp_path / "resumed", "1", "4")
     assert killed.returncode != 0
@@ -65,8 +62,7 @@ def test_killed_mid_epoch_resumes_at_the_backed_up_batch(tmp_path):
     partial = tmp_path / "backup" / ".epoch-1-batch-6.partial-99999.weights.h5"
     partial.write_bytes(b"half a file")  # what a rank 0 killed mid-write leaves
 
-    resumed = run_steps(tmp_path / "backup", tmp_path / "resumed")
-    assert resumed.returncode == 0, explain(resumed)
+    resumed = assert_ok(run_steps(tmp_path / "backup", tmp_path / "resumed"))
     assert "resuming at epoch 2, batch 4" in resumed.stdout
     for rank in range(2):
         info = json.loads((tmp_path / "resumed" / f"rank.{rank}.json").read_text())

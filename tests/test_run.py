@@ -14,7 +14,7 @@ import pytest
 
 from conftest import SCRIPTS, explain, job_env, requires_mpirun
 
-pytestmark = requires_mpirun
+pytestmark = [requires_mpirun, pytest.mark.job]
 sys.path.insert(0, SCRIPTS)
 import run_fns  # noqa: E402
 

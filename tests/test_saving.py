@@ -12,21 +12,18 @@ import sys
 
 import pytest
 
-from conftest import SCRIPTS, explain, job_env, launch, requires_mpirun
+from conftest import BACKEND, SCRIPTS, assert_ok, explain, job_env, launch_ok, requires_mpirun
 
-BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
-pytestmark = requires_mpirun
-pytest.importorskip(BACKEND)
+pytestmark = [requires_mpirun, pytest.mark.job, pytest.mark.usefixtures("backend")]
 SAVING = os.path.join(SCRIPTS, "saving.py")
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
 def load_without_mgpu(out, backend):
     """saving.py load in `python -I` (no PYTHONPATH, no user site), mgpu_launch blocked."""
-    result = subprocess.run([sys.executable, "-I", SAVING, "load", str(out)],
-                            env=job_env(KERAS_BACKEND=backend, **QUIET), capture_output=True,
-                            text=True, timeout=300)
-    assert result.returncode == 0, explain(result)
+    assert_ok(subprocess.run([sys.executable, "-I", SAVING, "load", str(out)],
+                             env=job_env(KERAS_BACKEND=backend, **QUIET), capture_output=True,
+                             text=True, timeout=300))
     return json.loads((out / "loaded.json").read_text())
 
 
@@ -43,9 +40,8 @@ def check_training_went_on(report, backend):
 
 @pytest.mark.backend
 def test_saved_files_load_and_train_in_plain_keras(tmp_path):
-    saved = launch("-np", "2", SAVING, "save", str(tmp_path), timeout=300,
-                   KERAS_BACKEND=BACKEND, **QUIET)
-    assert saved.returncode == 0, explain(saved)
+    saved = launch_ok("-np", "2", SAVING, "save", str(tmp_path), timeout=300,
+                      KERAS_BACKEND=BACKEND, **QUIET)
     assert "re-wrapped with the saved settings" in saved.stdout, explain(saved)
     check_training_went_on(load_without_mgpu(tmp_path, BACKEND), BACKEND)
 
@@ -53,7 +49,6 @@ def test_saved_files_load_and_train_in_plain_keras(tmp_path):
 def test_saved_under_jax_loads_under_tensorflow(tmp_path):
     pytest.importorskip("jax")
     pytest.importorskip("tensorflow")
-    saved = launch("-np", "2", SAVING, "save", str(tmp_path), timeout=300,
-                   KERAS_BACKEND="jax", **QUIET)
-    assert saved.returncode == 0, explain(saved)
+    launch_ok("-np", "2", SAVING, "save", str(tmp_path), timeout=300, KERAS_BACKEND="jax",
+              **QUIET)
     check_training_went_on(load_without_mgpu(tmp_path, "tensorflow"), "tensorflow")

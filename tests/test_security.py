@@ -147,6 +147,8 @@ def _forge_until(address, stop):
 
 
 @requires_mpirun
+@pytest.mark.job
+@pytest.mark.slow
 def test_attacks_on_the_inspector_change_nothing(tmp_path):
     faultkit.require_backend("tensorflow")
     out, go = str(tmp_path), str(tmp_path / "go")
@@ -273,6 +275,7 @@ def test_a_folder_writable_by_others_is_refused_even_when_it_is_ones_own(tmp_pat
 
 
 @requires_mpirun
+@pytest.mark.job
 def test_a_work_folder_is_made_private_and_its_files_too(tmp_path, monkeypatch):
     for name, value in job_env(PYTHONPATH=SCRIPTS + os.pathsep +
                                job_env()["PYTHONPATH"]).items():

@@ -19,7 +19,7 @@ import pytest
 
 from conftest import ROOT, SCRIPTS, daemons_up, explain, job_env
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.job]
 
 SLURM_SH = os.path.join(ROOT, "scripts", "slurm.sh")
 SBATCH = os.path.join(ROOT, "examples", "cluster", "slurm_train.sbatch")

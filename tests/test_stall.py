@@ -1,14 +1,10 @@
 """The stall inspector: a rank that stops meeting the others is named, and may end the job."""
 
-import os
-
 import pytest
 
 import faultkit
 from conftest import requires_mpirun
 from mgpu_launch import stall
-
-BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
 
 
 def test_the_report_names_the_late_rank_and_where_the_others_wait():
@@ -62,11 +58,11 @@ def test_positions_only_move_forward(monkeypatch):
 
 @requires_mpirun
 @pytest.mark.backend
-def test_a_stalled_rank_is_named_then_the_job_is_shut_down(tmp_path):
-    faultkit.require_backend(BACKEND)
+@pytest.mark.job
+def test_a_stalled_rank_is_named_then_the_job_is_shut_down(tmp_path, backend):
     out = str(tmp_path)
     # Rank 1 sleeps in on_train_batch_end of step 5 while rank 0 waits in step 6's allreduce.
-    proc = faultkit.start(out, "sleep", 5, KERAS_BACKEND=BACKEND, MGPU_STALL_WARNING_S="5",
+    proc = faultkit.start(out, "sleep", 5, KERAS_BACKEND=backend, MGPU_STALL_WARNING_S="5",
                           MGPU_STALL_SHUTDOWN_S="12")
     run = faultkit.finish(proc, out, timeout=240)
     assert run.returncode not in (None, 0), run.explain()
@@ -90,10 +86,10 @@ def test_a_stalled_rank_is_named_then_the_job_is_shut_down(tmp_path):
 
 
 @requires_mpirun
-def test_a_stall_that_ends_is_one_warning_and_the_job_finishes(tmp_path):
-    faultkit.require_backend(BACKEND)
+@pytest.mark.job
+def test_a_stall_that_ends_is_one_warning_and_the_job_finishes(tmp_path, backend):
     out = str(tmp_path)
-    proc = faultkit.start(out, "sleep", 5, KERAS_BACKEND=BACKEND, MGPU_STALL_WARNING_S="3",
+    proc = faultkit.start(out, "sleep", 5, KERAS_BACKEND=backend, MGPU_STALL_WARNING_S="3",
                           FAULT_SLEEP_S="10", FAULT_EPOCHS="1")
     run = faultkit.finish(proc, out, timeout=240)
     assert run.returncode == 0, run.explain()

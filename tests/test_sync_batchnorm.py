@@ -10,7 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import SCRIPTS, explain, launch, requires_mpirun
+from conftest import SCRIPTS, launch_ok, requires_mpirun
 
 keras = pytest.importorskip("keras")
 
@@ -29,9 +29,7 @@ def weights_of(results, case):
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("sync_bn")
-    result = launch("-np", "2", os.path.join(SCRIPTS, "sync_bn.py"), str(out), timeout=300,
-                    **QUIET)
-    assert result.returncode == 0, explain(result)
+    launch_ok("-np", "2", os.path.join(SCRIPTS, "sync_bn.py"), str(out), timeout=300, **QUIET)
     return [dict(np.load(out / f"rank.{rank}.npz")) for rank in range(2)]
 
 
@@ -45,6 +43,7 @@ def assert_matches_reference(results, case, weights=14):
 
 @requires_mpirun
 @pytest.mark.backend
+@pytest.mark.job
 def test_two_ranks_equal_one_process_with_the_global_batch(job):
     for results in job:
         assert_matches_reference(results, "sync")
@@ -55,6 +54,7 @@ def test_two_ranks_equal_one_process_with_the_global_batch(job):
 
 @requires_mpirun
 @pytest.mark.backend
+@pytest.mark.job
 def test_masked_positions_do_not_count(job):
     for results in job:
         assert_matches_reference(results, "masked", weights=8)
@@ -62,6 +62,7 @@ def test_masked_positions_do_not_count(job):
 
 @requires_mpirun
 @pytest.mark.backend
+@pytest.mark.job
 def test_local_statistics_do_not_match_so_the_comparison_has_teeth(job):
     worst = max(float(np.max(np.abs(a - e))) for a, e in
                 zip(weights_of(job[0], "local"), weights_of(job[0], "local_ref")))
@@ -70,6 +71,7 @@ def test_local_statistics_do_not_match_so_the_comparison_has_teeth(job):
 
 @requires_mpirun
 @pytest.mark.backend
+@pytest.mark.job
 def test_inference_runs_no_collective(job):
     # Rank 1 predicted alone after training: it would have waited forever for rank 0.
     np.testing.assert_allclose(job[1]["predict.0"], job[1]["predict_ref.0"], rtol=1e-5,
@@ -78,6 +80,7 @@ def test_inference_runs_no_collective(job):
 
 @requires_mpirun
 @pytest.mark.backend
+@pytest.mark.job
 @pytest.mark.skipif(BACKEND == "jax", reason="the JAX step needs one batch shape on all ranks")
 def test_uneven_batches_give_the_global_statistics(job):
     # Rank 0 has 3 samples, rank 1 has 5: the same as one process with the 8.

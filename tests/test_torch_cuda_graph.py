@@ -9,15 +9,16 @@ without the flag. The exactness and LR-warm-up suites also pass with the flag se
 tests/test_lr_schedule.py``).
 """
 
-import os
 import warnings
 
 import numpy as np
 import pytest
 
-BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
+from conftest import BACKEND
+
 pytestmark = [pytest.mark.backend,
-              pytest.mark.skipif(BACKEND != "torch", reason="the torch engine's option")]
+              pytest.mark.skipif(BACKEND != "torch", reason="the torch engine's option"),
+              pytest.mark.usefixtures("backend")]
 
 
 def train(monkeypatch, env=None, **optimizer_options):
@@ -55,7 +56,7 @@ def test_the_flag_on_cpu_warns_once_and_changes_no_number(monkeypatch):
     weights, fallback = train(monkeypatch, env="1")
     assert len(fallback) == 1, fallback
     assert "MGPU_TORCH_CUDA_GRAPH" in fallback[0] and "no CUDA device" in fallback[0]
-    for ours, theirs in zip(weights, reference):
+    for ours, theirs in zip(weights, reference, strict=True):
         np.testing.assert_array_equal(ours, theirs)
 
 

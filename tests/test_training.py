@@ -11,11 +11,10 @@ import os
 import numpy as np
 import pytest
 
-from conftest import SCRIPTS, explain, launch, requires_mpirun
+from conftest import BACKEND, SCRIPTS, explain, launch, launch_ok, requires_mpirun
 
-BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
-pytestmark = [requires_mpirun, pytest.mark.backend]
-pytest.importorskip(BACKEND)
+pytestmark = [requires_mpirun, pytest.mark.backend, pytest.mark.job,
+              pytest.mark.usefixtures("backend")]
 only_on = {name: pytest.mark.skipif(BACKEND != name, reason=f"{name}-backend only")
            for name in ("tensorflow", "jax", "torch")}
 
@@ -28,8 +27,7 @@ QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_BACKEND": BACKEND, "MGPU_PREFETCH":
 def train(tmp_path_factory, config, np_=None, **env):
     out = tmp_path_factory.mktemp("run")
     argv = (["-np", str(np_)] if np_ else []) + [TRAIN, json.dumps(config), str(out)]
-    result = launch(*argv, timeout=300, **QUIET, **env)
-    assert result.returncode == 0, explain(result)
+    launch_ok(*argv, timeout=300, **QUIET, **env)
     weights = [[arr for _, arr in sorted(np.load(out / f"rank.{r}.npz").items(),
                                         key=lambda kv: int(kv[0].split("_")[1]))]
                for r in range(np_ or 1)]
@@ -122,9 +120,7 @@ def test_save_load_continue_equals_uninterrupted(tmp_path_factory, reference):
 
 
 def test_a_parameter_without_gradient_on_one_rank_does_not_hang(tmp_path):
-    result = launch("-np", "2", os.path.join(SCRIPTS, "unused.py"), str(tmp_path), timeout=180,
-                    **QUIET)
-    assert result.returncode == 0, explain(result)
+    launch_ok("-np", "2", os.path.join(SCRIPTS, "unused.py"), str(tmp_path), timeout=180, **QUIET)
     weights = [list(np.load(tmp_path / f"rank.{r}.npz").values()) for r in range(2)]
     assert_ranks_identical(weights)
 
