@@ -23,7 +23,7 @@ import pytest
 import elastickit
 from conftest import SCRIPTS, explain
 
-pytestmark = pytest.mark.cluster
+pytestmark = [pytest.mark.cluster, pytest.mark.job]
 
 RESIZE = os.path.join(SCRIPTS, "resize_ids.py")
 SAMPLES, BATCH = 1280, 16  # 20 steps an epoch on 4 processes, 40 on 2

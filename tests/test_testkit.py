@@ -18,15 +18,15 @@ def test_a_test_that_starts_a_job_without_the_job_marker_fails():
 
 def test_a_test_marked_job_gets_the_jobs_environment(request):
     request.node.add_marker(pytest.mark.job)  # what @pytest.mark.job does, without a job
-    env = conftest.job_env(MGPU_EXAMPLE="1")
+    env = conftest.job_env(TESTKIT_EXAMPLE="1")
     assert env["PYTHONPATH"].split(os.pathsep)[0] == conftest.ROOT
-    assert (env["OMPI_ALLOW_RUN_AS_ROOT"], env["MGPU_EXAMPLE"]) == ("1", "1")
+    assert (env["OMPI_ALLOW_RUN_AS_ROOT"], env["TESTKIT_EXAMPLE"]) == ("1", "1")
 
 
 def test_a_process_that_is_no_job_needs_no_marker():
-    env = conftest.python_env(MGPU_EXAMPLE="1")
+    env = conftest.python_env(TESTKIT_EXAMPLE="1")
     assert env["PYTHONPATH"].split(os.pathsep)[0] == conftest.ROOT
-    assert env["MGPU_EXAMPLE"] == "1"
+    assert env["TESTKIT_EXAMPLE"] == "1"
 
 
 def test_outside_a_test_nothing_is_checked(monkeypatch):
