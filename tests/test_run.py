@@ -111,10 +111,14 @@ def test_runs_from_a_thread_and_leaves_the_callers_signal_handlers_alone():
 
 
 # A driver whose (daemon) thread runs a function that never returns, the main thread waiting.
+# Python keeps SIGINT ignored when its parent ignored it (a CI job started in the background
+# of a non-interactive shell): the driver sets the default Ctrl-C behaviour of a program
+# started from a terminal.
 HANGING_DRIVER = textwrap.dedent("""
-    import sys, threading
+    import signal, sys, threading
     import mgpu_launch, run_fns
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     thread = threading.Thread(target=mgpu_launch.run, args=(run_fns.hang,), daemon=True,
                               kwargs={"args": (sys.argv[1],), "np": 2, "work_dir": sys.argv[2]})
     thread.start()
