@@ -84,11 +84,12 @@ def test_a_bad_warmup_count_is_a_clear_error(monkeypatch):
     ((128, 10), None), ((128, 10), "int32"), ([0.5, 2.0], None), (np.float32(1.5), None),
     (np.array([[1, 2], [3, 4]], np.int16), "float32"), (np.int64(3), "float16")])
 def test_a_device_constant_has_keras_dtype_and_value(value, dtype):
-    # The capture-time conversion of a step's constants must give what Keras's own gives.
-    from keras.src.backend.torch.core import convert_to_tensor
+    # The capture-time conversion of a step's constants must give what Keras's own gives
+    # (keras.ops.convert_to_tensor: the torch backend's, wherever a Keras version keeps it).
+    import keras
 
     from mgpu_launch.engines.torch_graph import device_constant
-    ours, keras_own = device_constant(value, dtype), convert_to_tensor(value, dtype)
+    ours, keras_own = device_constant(value, dtype), keras.ops.convert_to_tensor(value, dtype)
     assert ours.dtype == keras_own.dtype and ours.device == keras_own.device
     assert ours.shape == keras_own.shape
     assert ours.cpu().tolist() == keras_own.cpu().tolist()
