@@ -5,9 +5,13 @@ attempt resumes from that backup (its log names it). The samples an epoch *used*
 the steps that were not lost, over every attempt and rank.
 """
 
+import contextlib
 import json
 import pathlib
 import re
+import signal
+import stat
+import subprocess
 from typing import Dict, List, Tuple
 
 _BACKUP = re.compile(r"^epoch-(\d+)(?:-batch-(\d+))?\.weights\.h5$")
@@ -76,3 +80,31 @@ def wait_for_steps(out, attempt: int, count: int, proc, timeout: float = 240) ->
 
 def pid_of(out, attempt: int, rank: int) -> int:
     return int((pathlib.Path(out) / f"pid.{attempt}.{rank}").read_text())
+
+
+def executable(path, body: str) -> str:
+    """Write a ``/bin/sh`` script (a discovery script) to `path`, executable; its path."""
+    path = pathlib.Path(path)
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+def finish(proc, timeout: float):
+    """mgpu-train's (stdout, stderr) once it ends; past `timeout`, stop it and fail."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # mgpu-train stops every rank
+        out, err = proc.communicate(timeout=60)
+        raise AssertionError(f"mgpu-train did not finish in {timeout} s:\n{out}\n{err}")
+
+
+@contextlib.contextmanager
+def reaped(proc):
+    """Kill mgpu-train if the block is left while it still runs (a wait that failed)."""
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -15,8 +15,6 @@ import collections
 import os
 import re
 import signal
-import stat
-import subprocess
 
 import pytest
 
@@ -38,10 +36,7 @@ def _discovery(tmp_path, text):
     """A discovery script printing the file ``hosts`` (which the test then edits)."""
     hosts = tmp_path / "hosts"
     hosts.write_text(text)
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    script.chmod(script.stat().st_mode | stat.S_IXUSR)
-    return hosts, str(script)
+    return hosts, elastickit.executable(tmp_path / "discover.sh", f"cat {hosts}")
 
 
 def _run_elastic(cluster, tmp_path, hosts_text, *argv, **env):
@@ -52,15 +47,6 @@ def _run_elastic(cluster, tmp_path, hosts_text, *argv, **env):
                                     str(tmp_path / "backup"), str(out), **DIGITS, **ELASTIC,
                                     **env)
     return proc, hosts, out
-
-
-def _finish(proc, timeout):
-    try:
-        return proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-        raise AssertionError(f"mgpu-train did not finish in {timeout} s:\n{out}\n{err}")
 
 
 def _elastic_lines(stderr):
@@ -85,7 +71,7 @@ def test_a_job_that_loses_node2_goes_on_on_node1_and_grows_back_when_it_returns(
     proc, hosts, out = _run_elastic(cluster, tmp_path, "node1:2\nnode2:2\n", "-np", "4",
                                     "--min-np", "2", "--max-np", "4",
                                     "--blacklist-cooldown", "2")
-    try:
+    with elastickit.reaped(proc):
         # step 26 is batch 5 of epoch 1 (20 steps an epoch): after its first backup point
         elastickit.wait_for_steps(out, 0, 26, proc)
         for rank in (2, 3):  # node2's ranks (-H node1:2,node2:2)
@@ -95,10 +81,7 @@ def test_a_job_that_loses_node2_goes_on_on_node1_and_grows_back_when_it_returns(
         # epoch now): the epoch it was lost in is then finished by node1 alone
         elastickit.wait_for_steps(out, 1, 40, proc)
         hosts.write_text("node1:2\nnode2:2\n")
-        stdout, stderr = _finish(proc, timeout=400)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        stdout, stderr = elastickit.finish(proc, timeout=400)
     assert proc.returncode == 0, f"{stdout}\n{stderr}"
     assert elastickit.sizes(out) == [4, 2, 4], stderr
     lines = _elastic_lines(stderr)
@@ -140,15 +123,12 @@ def test_node2_leaving_below_min_np_stops_the_job_at_a_backup_with_nothing_left_
         cluster, tmp_path):
     proc, hosts, out = _run_elastic(cluster, tmp_path, "node1:1\nnode2:1\n", "-np", "2",
                                     "--min-np", "2", "--elastic-timeout", "3")
-    try:
+    with elastickit.reaped(proc):
         elastickit.wait_for_steps(out, 0, 5, proc)
         # node2 leaves the list with its rank still running: mgpu-train sends mpirun SIGUSR1,
         # which must reach node2's rank through Open MPI's daemon there
         hosts.write_text("node1:1\n")
-        stdout, stderr = _finish(proc, timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        stdout, stderr = elastickit.finish(proc, timeout=120)
     assert proc.returncode == 1, f"{stdout}\n{stderr}"
     lines = _elastic_lines(stderr)
     assert ("mgpu-train: elastic: node2 left the discovered hosts; restart with 1 processes: "

@@ -71,19 +71,12 @@ def test_a_job_resumed_with_another_size_uses_every_sample_of_the_epoch_once(
 
 # -- mgpu-train's elastic mode ---------------------------------------------------------------
 import signal  # noqa: E402
-import stat  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
 from conftest import ROOT, job_env  # noqa: E402
 from mgpu_launcher import cli, discovery  # noqa: E402
-
-
-def _script(path, body):
-    path.write_text("#!/bin/sh\n" + body + "\n")
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    return str(path)
 
 
 @pytest.mark.parametrize("argv, with_script, message", [
@@ -100,7 +93,7 @@ def _script(path, body):
 def test_bad_elastic_combinations_are_usage_errors(tmp_path, capsys, argv, with_script,
                                                    message):
     if with_script:
-        argv = argv + ["--host-discovery-script", _script(tmp_path / "d.sh", "echo a:2")]
+        argv = argv + ["--host-discovery-script", elastickit.executable(tmp_path / "d.sh", "echo a:2")]
     assert cli.main([*argv, "-c", "pass"]) == 2
     assert message in capsys.readouterr().err
 
@@ -116,7 +109,7 @@ def test_a_missing_or_plain_file_discovery_script_is_a_usage_error(tmp_path, cap
 
 
 def test_the_environment_gives_the_elastic_options(tmp_path, monkeypatch):
-    script = _script(tmp_path / "discover.sh", "echo localhost:2")
+    script = elastickit.executable(tmp_path / "discover.sh", "echo localhost:2")
     monkeypatch.setenv("MGPU_HOST_DISCOVERY_SCRIPT", script)
     monkeypatch.setenv("MGPU_MIN_NP", "1")
     monkeypatch.setenv("MGPU_MAX_NP", "3")
@@ -127,7 +120,7 @@ def test_the_environment_gives_the_elastic_options(tmp_path, monkeypatch):
 
 
 def test_discovery_output_is_checked_line_by_line(tmp_path):
-    hosts = discovery.discover(_script(tmp_path / "d.sh", "printf '%s\\n' 'node1:2' "
+    hosts = discovery.discover(elastickit.executable(tmp_path / "d.sh", "printf '%s\\n' 'node1:2' "
                                        "'# a comment' '' 'node2' 'bad host:x' 'node3:0' "
                                        "'node1:4' 'node4:two'"))
     assert hosts.slots == (("node1", 2), ("node2", 1))
@@ -145,7 +138,7 @@ def test_discovery_output_is_checked_line_by_line(tmp_path):
 ])
 def test_a_failing_discovery_script_is_an_error_not_a_crash(tmp_path, body, message):
     with pytest.raises(discovery.DiscoveryError, match=message):
-        discovery.discover(_script(tmp_path / "d.sh", body), timeout=0.5)
+        discovery.discover(elastickit.executable(tmp_path / "d.sh", body), timeout=0.5)
 
 
 def test_a_blacklisted_host_cools_down_longer_after_each_failure():
@@ -162,7 +155,7 @@ def test_a_blacklisted_host_cools_down_longer_after_each_failure():
 
 
 def _elastic(tmp_path, hosts_file, *argv, samples=64):
-    script = _script(tmp_path / "discover.sh", f"cat {hosts_file}")
+    script = elastickit.executable(tmp_path / "discover.sh", f"cat {hosts_file}")
     out = tmp_path / "out"
     out.mkdir()
     proc = subprocess.Popen(
@@ -172,16 +165,6 @@ def _elastic(tmp_path, hosts_file, *argv, samples=64):
         env=job_env(MGPU_DISCOVERY_INTERVAL="0.5", RESIZE_STEP_SECONDS="0.5",
                     RESIZE_SAMPLES=str(samples), **ENV))
     return proc, out
-
-
-def _finish(proc, timeout=300):
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-        raise AssertionError(f"mgpu-train did not finish in {timeout} s:\n{err}")
-    return out, err
 
 
 # Two "hosts" that are both this machine: Open MPI places ranks 0-1 on localhost and 2-3 on
@@ -196,7 +179,7 @@ def test_an_elastic_job_goes_on_without_a_lost_host_and_grows_back(tmp_path):
     hosts.write_text("localhost:2\n127.0.0.1:2\n")
     proc, out = _elastic(tmp_path, hosts, "-np", "4", "--min-np", "2", "--max-np", "4",
                          "--blacklist-cooldown", "2", samples=128)
-    try:
+    with elastickit.reaped(proc):
         # 8 steps an epoch at 4 processes; step 13 is batch 5 of epoch 2, after the backup
         # that followed batch 3 (sample 48 of the epoch's order)
         elastickit.wait_for_steps(out, 0, 13, proc)
@@ -206,10 +189,7 @@ def test_an_elastic_job_goes_on_without_a_lost_host_and_grows_back(tmp_path):
         hosts.write_text("localhost:2\n")
         elastickit.wait_for_steps(out, 1, 2, proc)
         hosts.write_text("localhost:2\n127.0.0.1:2\n")
-        stdout, stderr = _finish(proc)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        stdout, stderr = elastickit.finish(proc, timeout=300)
     assert proc.returncode == 0, f"{stdout}\n{stderr}"
     assert elastickit.sizes(out) == [4, 2, 4], stderr
     lines = [line for line in stderr.splitlines() if line.startswith("mgpu-train: elastic:")]
@@ -244,14 +224,11 @@ def test_fewer_slots_than_min_np_stop_the_job_cleanly(tmp_path):
     hosts.write_text("localhost:1\n127.0.0.1:1\n")
     proc, out = _elastic(tmp_path, hosts, "-np", "2", "--min-np", "2",
                          "--elastic-timeout", "3", "--blacklist-cooldown", "60")
-    try:
+    with elastickit.reaped(proc):
         elastickit.wait_for_steps(out, 0, 5, proc)
         hosts.write_text("localhost:1\n")
         os.kill(elastickit.pid_of(out, 0, 1), signal.SIGKILL)
-        stdout, stderr = _finish(proc, timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+        stdout, stderr = elastickit.finish(proc, timeout=120)
     assert proc.returncode == 137, f"{stdout}\n{stderr}"
     assert ("mgpu-train: elastic: stopping: 1 slots available (localhost:1; blacklisted: "
             "127.0.0.1), fewer than --min-np 2, for 3 s (--elastic-timeout). No process of the "
