@@ -15,7 +15,7 @@ import keras
 from mgpu_launch import (collectives, engines, epoch_resume, keras_internals, keras_patches, resize,
                          runtime)
 from mgpu_launch.callbacks.io import _is_chief, read_attributes, save_atomically
-from mgpu_launch.callbacks.schedule import lr_target, velocity_slots
+from mgpu_launch.callbacks.schedule import correct_momentum, lr_target
 from mgpu_launch.callbacks.sync import model_state_variables
 
 # epoch-<epochs done>.weights.h5, or epoch-<epochs done>-batch-<batches done>.weights.h5
@@ -191,16 +191,14 @@ class BackupAndRestore(keras.callbacks.Callback):
         if not self.momentum_correction:
             return note
         try:
-            velocities = velocity_slots(self.model.optimizer)
+            corrected = correct_momentum(self.model.optimizer, factor)
         except ValueError:
             warnings.warn(f"BackupAndRestore: the learning rate changed by {factor:g} with the "
                           f"size, but {type(self.model.optimizer).__name__}'s momentum cannot "
                           f"be corrected (no known velocity slots); it is restored as it was. "
                           f"Pass momentum_correction=False to silence this.", stacklevel=2)
             return note
-        for velocity in velocities:
-            velocity.assign(velocity * factor)
-        return note + (f", momentum buffers x {factor:g}" if velocities else "")
+        return note + (f", momentum buffers x {factor:g}" if corrected else "")
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch

@@ -47,6 +47,18 @@ def velocity_slots(optimizer) -> list:
         f"mgpu_launch cannot correct (no velocity slots found). Pass momentum_correction=False.")
 
 
+def correct_momentum(optimizer, ratio: float) -> int:
+    """Scale the velocity slots by ``ratio`` (the learning rate's new / old); how many.
+
+    Raises:
+        ValueError: as :func:`velocity_slots`.
+    """
+    slots = velocity_slots(optimizer)
+    for velocity in slots:
+        velocity.assign(velocity * ratio)
+    return len(slots)
+
+
 def lr_target(optimizer):
     """Where the callback writes: ``("value", optimizer)`` for a float learning rate, or
     ``("multiplier", variable)`` for a LearningRateSchedule wrapped by DistributedOptimizer."""
@@ -139,9 +151,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         else:
             self._target.assign(new)
         if self.momentum_correction and old:
-            ratio = self._current_lr() / old
-            for velocity in velocity_slots(optimizer):
-                velocity.assign(velocity * ratio)
+            correct_momentum(optimizer, self._current_lr() / old)
         if self.verbose and batch == 0 and runtime.state.rank == 0:
             print(f"\nEpoch {epoch + 1}: {type(self).__name__} set the learning rate to "
                   f"{self._current_lr():.6g}.")
