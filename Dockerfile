@@ -1,9 +1,10 @@
 # mgpu-launch with GPU TensorFlow, `mgpu-train` as the entry point.
 #
-# NOT BUILT: the project's machines have no Docker engine, so this file has never been built or
-# run. What CI does check is its install step: the RUN below calls scripts/install.sh, the same
-# script scripts/test.sh (CI) installs with, with the `tensorflow` extra instead of
-# `tensorflow-cpu`. The TensorFlow GPU path itself is untested (README, "Status").
+# The CUDA variant has not been built (the project's machines have no Docker engine); CI builds
+# and runs the CPU variant with podman (scripts/build_cpu_image.sh). Its install step is
+# scripts/install.sh, the same script scripts/test.sh (CI) installs with, with the `tensorflow`
+# extra instead of `tensorflow-cpu`. TensorFlow on GPUs itself has run, outside an image: on one
+# and two H100s through NCCL (benchmarks/tf_gpu/README.md; README, "Status").
 #
 #   docker build -t mgpu-launch .
 #   docker run --rm --gpus all --ipc=host mgpu-launch -np 2 \

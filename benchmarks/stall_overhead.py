@@ -36,7 +36,9 @@ os.environ["MGPU_PROGRESS_MARKER"] = "0"  # this script decides when the probes 
 mgpu.init()
 import keras  # noqa: E402
 
-from mgpu_launch import runtime, stall, stall_probes  # noqa: E402
+from mgpu_launch import runtime
+from mgpu_launch.runtime import stall
+from mgpu_launch.training import stall_probes  # noqa: E402
 
 
 def set_inspector(on: bool) -> None:

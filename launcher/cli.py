@@ -33,7 +33,7 @@ FORWARDED_VARIABLES = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "KERAS_BACKEND",
 FORWARDED_PREFIXES = ("MGPU_", "NCCL_", "XLA_", "TF_", "JAX_", "CUDA_", "OMP_")
 
 #: the Keras backends mgpu_launch has an engine for (mgpu_launch.engines.ENGINES; this package
-#: imports nothing of the library, tests/test_cli.py checks that the two lists agree)
+#: imports nothing of the library, tests/launcher/test_cli.py checks that the two lists agree)
 KERAS_BACKENDS = ("tensorflow", "jax", "torch")
 
 _HOST_ENTRY = re.compile(r"^[A-Za-z0-9_.\-]+(:\d+)?$")

@@ -13,7 +13,7 @@ from its ``callbacks.BackupAndRestore`` backup), with Horovod's knobs and discov
    seconds while it runs.
 3. When discovery offers more slots (up to ``--max-np``), or a host of the job leaves the list,
    send mpirun SIGUSR1 (forwarded to every rank): at its next backup point the job writes a
-   backup and every rank exits (mgpu_launch.resize); go to 1.
+   backup and every rank exits (mgpu_launch.training.resize); go to 1.
 4. When a rank fails, the job is torn down (mgpu_launcher.supervisor); the host of the rank
    that failed first is blacklisted for ``--blacklist-cooldown`` seconds (doubling with each
    further failure); go to 1, at most ``--max-restarts`` times (default 10 here). A failure

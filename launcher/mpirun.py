@@ -74,9 +74,9 @@ OPENMPI = Flavour(
     # reported first (3 of 3); a rank failing in Python has printed its traceback already.
     peer_loss=("--mca", "mpi_abort_delay", "2"),
     # Open MPI 5: "prterun noticed that process rank 1 with PID 18853 on node vm exited on" and
-    # on the next line "signal 9 (Killed)." (tests/test_cli.py holds a real run's lines); 2-4
-    # say "mpirun noticed that process rank 0 with PID 21183 on node host01 exited on signal 9
-    # (Killed)." (open-mpi/ompi#2661).
+    # on the next line "signal 9 (Killed)." (tests/launcher/test_cli.py holds a real run's
+    # lines); 2-4 say "mpirun noticed that process rank 0 with PID 21183 on node host01 exited
+    # on signal 9 (Killed)." (open-mpi/ompi#2661).
     signal_death=re.compile(r"rank (\d+) with PID \d+ on node \S+ exited on\s+signal (\d+)"),
 )
 _HYDRA = dict(

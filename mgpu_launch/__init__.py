@@ -8,12 +8,11 @@ Start the script with ``mgpu-train -np 4 train.py`` (or ``mpirun -np 4 mgpu-trai
 """
 
 from mgpu_launcher import __version__
-from mgpu_launch.collectives import (Average, Max, Min, MismatchError, ReduceOp, Sum,
-                                     allgather, allgather_object, allreduce, barrier, broadcast,
-                                     broadcast_object)
-from mgpu_launch.runtime import (NotInitializedError, cross_rank, cross_size, init,
-                                 is_chief, is_initialized, local_rank, local_size, rank,
-                                 shutdown, size)
+from mgpu_launch.runtime import (NotInitializedError, cross_rank, cross_size, init, is_chief,
+                                 is_initialized, local_rank, local_size, rank, shutdown, size)
+from mgpu_launch.runtime.collectives import (Average, Max, Min, MismatchError, ReduceOp, Sum,
+                                             allgather, allgather_object, allreduce, barrier,
+                                             broadcast, broadcast_object)
 
 # Importing the engine package (no framework yet) adds its set-up to init() and shutdown().
 from mgpu_launch import engines as _engines  # noqa: E402,F401  isort: skip
@@ -29,8 +28,8 @@ def _synchronize_batch_norm(state) -> None:
     from mgpu_launcher import settings
     if settings.choice("MGPU_ENGINE") != "none" and (
             state.size > 1 or "keras" in sys.modules):
-        from mgpu_launch import keras_patches
-        keras_patches.install_synchronized_batch_norm()
+        from mgpu_launch.training import patches
+        patches.install_synchronized_batch_norm()
 
 
 _runtime.add_hooks(start=_synchronize_batch_norm, stop=lambda: None)
@@ -38,11 +37,12 @@ _runtime.add_hooks(start=_synchronize_batch_norm, stop=lambda: None)
 # The Keras-facing parts import keras (and with it the backend); load them on first use so
 # that `import mgpu_launch` and the host collectives stay light.
 _LAZY = {
-    "DistributedOptimizer": "mgpu_launch.optimizer", "scale_lr": "mgpu_launch.optimizer",
-    "load_model": "mgpu_launch.optimizer", "Compression": "mgpu_launch.compression",
+    "DistributedOptimizer": "mgpu_launch.training.optimizer",
+    "scale_lr": "mgpu_launch.training.optimizer", "load_model": "mgpu_launch.training.optimizer",
+    "Compression": "mgpu_launch.runtime.compression",
     "callbacks": "mgpu_launch.callbacks", "data": "mgpu_launch.data",
     "layers": "mgpu_launch.layers",
-    "run": "mgpu_launch.launch", "RemoteError": "mgpu_launch.launch",
+    "run": "mgpu_launch.runtime.launch", "RemoteError": "mgpu_launch.runtime.launch",
 }
 
 

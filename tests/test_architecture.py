@@ -1,8 +1,11 @@
 """The package's import graph: no circles, and the layers depend one way; Keras internals
 are touched in one place.
 
-    mgpu_launcher  <-  runtime  <-  collectives  <-  Keras internals  <-  engines  <-  Keras glue
-    <-  tools
+A module's layer is the package it lives in (``ls mgpu_launch/`` draws the architecture;
+docs/architecture.md explains it):
+
+    mgpu_launcher  <-  runtime/  <-  keras_internals  <-  engines/  <-  training/  <-  horovod/
+    <-  the public paths (mgpu_launch/*.py, thin re-exports)  <-  bench/
 
 Every import counts, also one inside a function (a lazy import is still a dependency: the
 module cannot be read, tested or replaced without the one it imports). Read with ``ast``, so
@@ -18,28 +21,20 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: source folder -> the package name it installs as (pyproject.toml's package-dir)
 SOURCES = {"launcher": "mgpu_launcher", "mgpu_launch": "mgpu_launch"}
 
-#: lowest first; a module may import only from its own layer or lower ones
+#: the layers, lowest first: (name, the package or module that is the layer). A module belongs
+#: to the longest entry its name starts with and may import only from its own layer or lower
+#: ones. A module directly in mgpu_launch/ is a public path (the entry "mgpu_launch"), except
+#: keras_internals, the one floor that is a single module.
 LAYERS = [
-    ("launcher", ["mgpu_launcher"]),
-    ("runtime", ["mgpu_launch.runtime", "mgpu_launch.rendezvous", "mgpu_launch.stall",
-                 "mgpu_launch.stall_channel", "mgpu_launch._auth",
-                 "mgpu_launch.prefetch", "mgpu_launch.compression", "mgpu_launch.launch"]),
-    ("collectives", ["mgpu_launch.collectives"]),
-    # the one door to Keras internals: the engines and the Keras glue both use it
-    ("Keras internals", ["mgpu_launch.keras_internals"]),
-    ("engines", ["mgpu_launch.engines"]),
-    ("Keras glue", ["mgpu_launch.fit_guard", "mgpu_launch.stall_probes",
-                    "mgpu_launch.epoch_resume", "mgpu_launch.resize",
-                    "mgpu_launch.keras_patches", "mgpu_launch._patches_training",
-                    "mgpu_launch._patches_layers",
-                    "mgpu_launch.optimizer", "mgpu_launch.optimizer_step",
-                    "mgpu_launch.callbacks", "mgpu_launch.data",
-                    "mgpu_launch.batch_statistics", "mgpu_launch.layers",
-                    "mgpu_launch._horovod", "mgpu_launch._keras_callbacks",
-                    "mgpu_launch.tensorflow_ops", "mgpu_launch.tensorflow_tape",
-                    "mgpu_launch.tensorflow",
-                    "mgpu_launch.elastic", "mgpu_launch.keras"]),
-    ("tools and public API", ["mgpu_launch.bench", "mgpu_launch"]),
+    ("launcher", "mgpu_launcher"),
+    ("runtime", "mgpu_launch.runtime"),
+    # the one door to Keras internals: the engines and the training glue both use it
+    ("Keras internals", "mgpu_launch.keras_internals"),
+    ("engines", "mgpu_launch.engines"),
+    ("training", "mgpu_launch.training"),
+    ("Horovod names", "mgpu_launch.horovod"),
+    ("public paths", "mgpu_launch"),
+    ("tools", "mgpu_launch.bench"),
 ]
 
 
@@ -117,21 +112,36 @@ def circles(edges: Dict[str, Set[str]]) -> List[List[str]]:
 
 def layer_of(name: str) -> int:
     best, depth = None, -1
-    for position, (_, prefixes) in enumerate(LAYERS):
-        for prefix in prefixes:
-            if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > depth:
-                best, depth = position, len(prefix)
+    for position, (_, prefix) in enumerate(LAYERS):
+        if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > depth:
+            best, depth = position, len(prefix)
     if best is None:
-        raise AssertionError(f"{name} belongs to no layer: add it to LAYERS in this test")
+        raise AssertionError(f"{name} belongs to no layer")
     return best
+
+
+def upward_imports(edges: Dict[str, Set[str]]) -> List[str]:
+    """Every import of a module from a higher layer, one line each."""
+    return [f"{name} ({LAYERS[layer_of(name)][0]}) imports {target} "
+            f"({LAYERS[layer_of(target)][0]})"
+            for name, targets in sorted(edges.items()) for target in sorted(targets)
+            if layer_of(target) > layer_of(name)]
 
 
 def test_the_graph_sees_the_package():
     edges = graph()
-    assert "mgpu_launch.keras_patches" in edges and "mgpu_launcher.cli" in edges
+    assert "mgpu_launch.training.patches" in edges and "mgpu_launcher.cli" in edges
     # lazy (function-level) imports count: the JAX engine's pinning import is inside setup()
     assert "mgpu_launcher.devices" in edges["mgpu_launch.engines.jax"]
-    assert "mgpu_launch.runtime" in edges["mgpu_launch.collectives"]
+    assert "mgpu_launch.runtime" in edges["mgpu_launch.runtime.collectives"]
+
+
+def test_every_package_is_a_layer():
+    # a new folder under mgpu_launch/ is placed in LAYERS on purpose, not silently made public
+    packages = {".".join(("mgpu_launch",) + path.parent.relative_to(ROOT / "mgpu_launch").parts)
+                for path in (ROOT / "mgpu_launch").glob("*/__init__.py")}
+    layers = {prefix for _, prefix in LAYERS}
+    assert packages <= layers, f"packages in no layer: {sorted(packages - layers)}"
 
 
 def test_there_is_no_import_circle():
@@ -145,11 +155,40 @@ def test_the_circle_finder_finds_a_circle():
 
 
 def test_layers_depend_one_way():
-    wrong = [f"{name} ({LAYERS[layer_of(name)][0]}) imports {target} "
-             f"({LAYERS[layer_of(target)][0]})"
-             for name, targets in sorted(graph().items()) for target in sorted(targets)
-             if layer_of(target) > layer_of(name)]
+    wrong = upward_imports(graph())
     assert not wrong, "imports against the layering:\n" + "\n".join(wrong)
+
+
+def test_the_layer_check_fails_on_a_planted_upward_import():
+    # the runtime reaching up into the training glue, and the engines into the Horovod names
+    edges = dict(graph())
+    edges["mgpu_launch.runtime.planted"] = {"mgpu_launch.training.optimizer"}
+    edges["mgpu_launch.engines.planted"] = {"mgpu_launch.horovod.support", "mgpu_launch.runtime"}
+    assert upward_imports(edges) == [
+        "mgpu_launch.engines.planted (engines) imports mgpu_launch.horovod.support "
+        "(Horovod names)",
+        "mgpu_launch.runtime.planted (runtime) imports mgpu_launch.training.optimizer "
+        "(training)"]
+
+
+#: the modules directly in mgpu_launch/ that are not public paths
+FLOORS = ("__init__.py", "keras_internals.py")
+
+
+def test_the_public_paths_are_thin():
+    # mgpu_launch/<name>.py exists only so that a name users import stays put: a docstring,
+    # imports and __all__, nothing that needs reading to learn how mgpu works
+    heavy = []
+    for path in sorted((ROOT / "mgpu_launch").glob("*.py")):
+        if path.name in FLOORS:
+            continue
+        for node in ast.parse(path.read_text()).body:
+            plain = isinstance(node, (ast.Import, ast.ImportFrom)) or (
+                isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
+            if not plain:
+                heavy.append(f"{path.name} line {node.lineno}: {ast.unparse(node)[:60]}")
+    assert not heavy, "public paths must only re-export (move the code into a layer):\n" + (
+        "\n".join(heavy))
 
 
 def test_the_launcher_imports_nothing_of_the_library():
@@ -159,14 +198,19 @@ def test_the_launcher_imports_nothing_of_the_library():
     assert not any(leaks.values()), leaks
 
 
-#: the registry of Keras patches and the private modules that build its replacements
-PATCH_MODULES = ("mgpu_launch.keras_patches", "mgpu_launch._patches_training",
-                 "mgpu_launch._patches_layers")
+#: the registry of Keras patches and the modules that build its replacements
+PATCH_MODULES = tuple(sorted(name for name in modules()
+                             if name.startswith("mgpu_launch.training.patches")))
 #: the only modules that may import ``keras.src`` or touch private attributes of Keras objects
 INTERNALS_MODULES = ("mgpu_launch.keras_internals",) + PATCH_MODULES
 
 
-def test_only_the_patch_module_assigns_to_keras_classes():
+def test_the_patch_package_is_found():
+    assert set(PATCH_MODULES) >= {"mgpu_launch.training.patches",
+                                  "mgpu_launch.training.patches.fit"}
+
+
+def test_only_the_patch_package_assigns_to_keras_classes():
     # e.g. `keras.Model.fit = ...` or `JAXTrainer.make_train_function = ...` elsewhere
     keras_names = ("keras.", "Trainer", "JAXTrainer", "TorchTrainer", "EpochIterator")
     offenders = []

@@ -7,8 +7,8 @@ tests/scripts/resize_ids.py on scikit-learn's digits: every rank logs the ids of
 each step trained on, and elastickit counts those that survived the lost steps. TensorFlow.
 
 Marked ``cluster`` (root, network namespaces, openssh-server); not ``backend``: the elastic
-loop and the sample accounting do not depend on the backend (tests/test_hvd_elastic.py and
-tests/test_resume.py cover resuming on each).
+loop and the sample accounting do not depend on the backend (tests/horovod/test_hvd_elastic.py and
+tests/training/test_resume.py cover resuming on each).
 """
 
 import collections

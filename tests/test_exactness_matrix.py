@@ -35,7 +35,7 @@ pytestmark = [requires_mpirun, pytest.mark.backend, pytest.mark.usefixtures("bac
 WORKER = os.path.join(SCRIPTS, "exactness.py")
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_BACKEND": BACKEND}
 #: the cases scripts/exactness.py knows (vision_sync_bn: synchronized BatchNorm, issue 25 item 3;
-#: tests/test_sync_batchnorm.py has its uneven-batch, mask and inference cases)
+#: tests/training/test_sync_batchnorm.py has its uneven-batch, mask and inference cases)
 CASES = ["sgd_momentum", "adam", "adamw", "clipnorm", "global_clipnorm",
          "embedding_adam", "transformer_adamw",
          "lstm", "accumulation", "mixed_float16", "mixed_bfloat16", "vision_sync_bn"]
@@ -195,11 +195,12 @@ def test_lr_multiplier_reaches_a_schedule_under_the_loss_scaler(passes):
     import keras
 
     import mgpu_launch as mgpu
+    from mgpu_launch.training.callbacks import schedule
 
     ours = mgpu.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(
         keras.optimizers.schedules.ExponentialDecay(0.02, decay_steps=1, decay_rate=0.8))),
         backward_passes_per_step=passes)
-    assert mgpu.callbacks.schedule.lr_target(ours) == ("multiplier", ours.lr_multiplier)
+    assert schedule.lr_target(ours) == ("multiplier", ours.lr_multiplier)
     model, x, y = _small_model(ours, policy="mixed_float16")
     before = [np.asarray(w) for w in model.get_weights()]
     model.fit(x, y, batch_size=8 // passes, epochs=1, shuffle=False, verbose=0)

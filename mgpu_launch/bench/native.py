@@ -18,7 +18,7 @@ import time
 import mgpu_launch as mgpu
 from mgpu_launch import runtime
 from mgpu_launch.bench.worker import parse_args, progress
-from mgpu_launch.rendezvous import rendezvous_address
+from mgpu_launch.runtime.rendezvous import rendezvous_address
 
 
 def main(argv=None) -> None:

@@ -39,14 +39,14 @@ class Engine:
     def shutdown(self) -> None:
         """Called by ``mgpu.shutdown()``."""
 
-    # -- feeding (the epoch-iterator patch in mgpu_launch.keras_patches asks these) -------------
+    # -- feeding (the epoch-iterator patch in mgpu_launch.training.patches asks these) -------------
     def computes_on_accelerator(self) -> bool:
         """Whether the backend computes on a GPU (device prefetch is then on by default)."""
         return False
 
     def prefetch_source(self, epoch_iterator, keras_get_iterator):
         """The batches to copy to the device ahead of the step from a background thread
-        (``mgpu_launch.prefetch.Prefetcher``), or None to keep Keras's own feeding.
+        (``mgpu_launch.training.prefetch.Prefetcher``), or None to keep Keras's own feeding.
 
         Args:
             epoch_iterator: Keras's epoch iterator of this backend.
@@ -88,7 +88,7 @@ class Engine:
             average: divide the sum by the number of ranks.
             prescale: multiply each tensor by this before the sum (Horovod's predivide).
             postscale: multiply each result by this after the sum (and the average).
-            compression: a ``mgpu_launch.compression`` codec for the wire, or None.
+            compression: a ``mgpu_launch.runtime.compression`` codec for the wire, or None.
 
         Returns:
             The reduced tensors, in the same order, shapes and dtypes.
@@ -187,7 +187,7 @@ class Engine:
         """Assign rank `root_rank`'s values to `variables` (Keras variables) on every rank."""
         import numpy as np
 
-        from mgpu_launch import collectives
+        from mgpu_launch.runtime import collectives
 
         for variable in variables:
             value = np.asarray(variable.numpy())

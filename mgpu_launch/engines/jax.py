@@ -14,7 +14,7 @@ Plumbing, all zero-copy: at each step the process-local state and batch are view
 arrays (``jax.make_array_from_single_device_arrays``: state "replicated", batch split along
 axis 0 across processes); the step's outputs go back to Keras as they are, and become local
 arrays again only when Keras writes them into its variables (``jax_state_sync``). For this
-``mgpu_launch.keras_patches`` replaces two methods of Keras's ``JAXTrainer`` —
+``mgpu_launch.training.patches`` replaces two methods of Keras's ``JAXTrainer`` —
 ``make_train_function`` (which then asks :meth:`JaxEngine.train_function`) and
 ``jax_state_sync`` (:meth:`JaxEngine.localize`) — for a model compiled with a
 ``DistributedOptimizer`` in a multi-process job. Evaluation and prediction stay local.
@@ -31,7 +31,7 @@ from typing import Any, List, Sequence
 import numpy as np
 
 from mgpu_launch.engines import Engine, reduction
-from mgpu_launch.rendezvous import job_host_address, rendezvous_address
+from mgpu_launch.runtime.rendezvous import job_host_address, rendezvous_address
 from mgpu_launcher import settings
 
 AXIS = "mgpu"
@@ -275,7 +275,7 @@ class JaxEngine(Engine):
         """Once per batch structure: every rank must feed the same shapes (else XLA hangs)."""
         import jax
 
-        from mgpu_launch import collectives
+        from mgpu_launch.runtime import collectives
 
         signature = (jax.tree.structure(batch),
                      tuple((np.shape(v), str(v.dtype)) for v in jax.tree.leaves(batch)))

@@ -48,7 +48,7 @@ from typing import Any, List, Sequence
 import numpy as np
 
 from mgpu_launch.engines import Engine, reduction, tensorflow_collectives
-from mgpu_launch.rendezvous import free_port, job_host_address
+from mgpu_launch.runtime.rendezvous import free_port, job_host_address
 from mgpu_launcher import settings
 
 TRANSPORTS = settings.SETTINGS["MGPU_TF_TRANSPORT"].choices  # ("collective", "mpi")

@@ -15,8 +15,9 @@ pinned one GPU per process with CUDA_VISIBLE_DEVICES) or gloo on CPU.
 
 Keras >= 3.16 wraps the model in ``DistributedDataParallel`` by itself when torch.distributed
 is initialized (``TorchTrainer._initialize_ddp``): gradients would then be reduced twice (once
-by DDP, once here) and BatchNorm buffers broadcast from rank 0 every step. mgpu_launch.keras_patches
-skips that wrapping for models compiled with a DistributedOptimizer; other models keep Keras's behaviour.
+by DDP, once here) and BatchNorm buffers broadcast from rank 0 every step.
+mgpu_launch.training.patches skips that wrapping for models compiled with a DistributedOptimizer;
+other models keep Keras's behaviour.
 """
 
 import datetime
@@ -25,7 +26,7 @@ import sys
 from typing import Any, List, Optional, Sequence
 
 from mgpu_launch.engines import Engine, reduction
-from mgpu_launch.rendezvous import interface_of, job_host_address, rendezvous_address
+from mgpu_launch.runtime.rendezvous import interface_of, job_host_address, rendezvous_address
 from mgpu_launcher import settings
 
 

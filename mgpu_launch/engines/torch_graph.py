@@ -52,7 +52,7 @@ _live: "weakref.WeakSet[GraphedTrainStep]" = weakref.WeakSet()  # for release()
 
 def scalars_on_device() -> bool:
     """Whether Python numbers should become device tensors without a host copy (see
-    mgpu_launch.keras_patches: only while a step is warmed up or captured, in that thread)."""
+    mgpu_launch.training.patches: only while a step is warmed up or captured, in that thread)."""
     return getattr(_stepping, "active", False)
 
 
@@ -383,7 +383,7 @@ def _allow_device_learning_rate(optimizer) -> None:
     """Let the torch SGD update take the learning rate as a device tensor (no ``.item()``).
 
     Keras's torch SGD passes the rate as ``alpha=`` of ``_foreach_add_``, which reads it on the
-    host every step; ``mgpu_launch.keras_patches`` gives SGD a form without that read, used
+    host every step; ``mgpu_launch.training.patches`` gives SGD a form without that read, used
     where this flag is set.
     """
     for owner in (optimizer, getattr(optimizer, "inner_optimizer", None)):

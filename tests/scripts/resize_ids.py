@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 import mgpu_launch as mgpu
-from mgpu_launch.callbacks.schedule import velocity_slots
+from mgpu_launch.training.callbacks.schedule import velocity_slots
 from mgpu_launcher import worker
 
 mgpu.init()

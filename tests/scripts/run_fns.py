@@ -1,4 +1,5 @@
-"""Functions for tests/test_run.py to start with mgpu_launch.run (importable by the ranks)."""
+"""Functions for tests/runtime/test_run.py to start with mgpu_launch.run (importable by the
+ranks)."""
 
 import os
 

@@ -1,4 +1,5 @@
-"""Test worker for tests/test_saving.py: save under mgpu, load where mgpu cannot be imported.
+"""Test worker for tests/training/test_saving.py: save under mgpu, load where mgpu cannot be
+imported.
 
     mgpu-train -np 2 saving.py save OUT      # train, checkpoint, save; rank 0 writes OUT/*
     python -I saving.py load OUT             # plain Keras only: load every file, train on

@@ -1,0 +1,19 @@
+"""The Horovod layer: what exists only so that a Horovod script runs with its import line changed.
+
+``import mgpu_launch.keras as hvd`` (Horovod's ``horovod.tensorflow.keras``) and
+``import mgpu_launch.tensorflow as hvd`` (``horovod.tensorflow``) are the public paths; the
+names behind them live here, each a thin layer over the runtime, the engines and the training
+glue below. docs/horovod-migration.md lists every difference. Its modules:
+
+    support          what both namespaces share: the build queries, the reduction ops, the
+                     global process set, and HorovodNotSupported for what is not provided
+    keras_api        the ``horovod.tensorflow.keras`` names
+    keras_callbacks  Horovod's callback names and arguments over ``mgpu_launch.callbacks``
+    tensorflow_api   the ``horovod.tensorflow`` names
+    tensorflow_ops   in-graph TensorFlow collectives (inside a ``tf.function``)
+    tensorflow_tape  DistributedGradientTape for custom TensorFlow loops
+    elastic          ``hvd.elastic``: KerasState, its callbacks and ``run``, over mgpu's
+                     restart-based elastic training
+
+Nothing below this layer imports it.
+"""

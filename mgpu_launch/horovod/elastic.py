@@ -1,0 +1,274 @@
+"""Horovod's ``hvd.elastic`` Keras names, on mgpu-launch's restart-based elastic training.
+
+    import mgpu_launch.keras as hvd        # was: import horovod.tensorflow.keras as hvd
+
+    state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+    state.register_reset_callbacks([on_state_reset])
+    callbacks = [hvd.elastic.UpdateEpochStateCallback(state),
+                 hvd.elastic.UpdateBatchStateCallback(state),
+                 hvd.elastic.CommitStateCallback(state, batches_per_commit=10)]
+
+    @hvd.elastic.run
+    def train(state):
+        state.model.fit(data, epochs=epochs - state.epoch, callbacks=callbacks)
+
+    train(state)
+
+What differs from Horovod's in-memory rollback (docs/fault-tolerance.md, "The Horovod names"):
+
+- ``commit()`` writes a step backup to disk (``callbacks.BackupAndRestore``'s files, rank 0,
+  atomic); Horovod copies the state in memory. A commit costs one model save on rank 0.
+- A failure or a size change restarts every process (``mgpu-train --max-restarts`` /
+  ``--host-discovery-script``); :func:`run` then restores the last commit from disk. Horovod
+  keeps the surviving processes and rolls them back. Either way the work since the last
+  commit is redone; here the processes' start-up (imports, compilation) is paid as well.
+- Reset callbacks run once at start-up, after the restore, when the commit was written by a
+  job of another size (Horovod runs them inside the running processes at each reset).
+- ``state.batch`` counts the batches done in the current epoch (Horovod's holds the last
+  batch's index). The resumed ``fit`` skips the committed batches of the data itself
+  (``mgpu.data.shard`` data exactly, across size changes too), so ``UpdateBatchStateCallback``
+  does not shorten the epoch's ``steps`` as Horovod's does.
+- Extra attributes (``KerasState(model, epoch=0, best=0.5)``) must be JSON values.
+"""
+
+import functools
+import shutil
+from typing import Callable, Optional
+
+import keras
+
+from mgpu_launch import engines, keras_internals, runtime
+from mgpu_launch.runtime import collectives
+from mgpu_launch.training import epoch_resume, patches, resize
+from mgpu_launch.training.callbacks.backup import BackupAndRestore
+from mgpu_launch.training.callbacks.io import _is_chief
+from mgpu_launch.training.callbacks.sync import model_state_variables
+from mgpu_launcher import settings
+
+__all__ = ["KerasState", "CommitStateCallback", "UpdateBatchStateCallback",
+           "UpdateEpochStateCallback", "run", "STATE_DIR_VARIABLE"]
+
+STATE_DIR_VARIABLE = "MGPU_ELASTIC_STATE_DIR"
+_DEFAULT_DIR = ".mgpu-elastic-state"
+_EXTRA = "elastic_state"  # the key of KerasState's attributes in the backup's state
+
+
+def _size() -> int:
+    return runtime.size() if runtime.is_initialized() else 1
+
+
+class KerasState:
+    """The state Horovod's elastic Keras scripts commit: a model, its optimizer, attributes.
+
+    Args:
+        model: the compiled Keras model.
+        optimizer: its optimizer (default: ``model.optimizer``); its state is committed too.
+        backup_dir: where rank 0 keeps the commits (default: ``$MGPU_ELASTIC_STATE_DIR``, else
+            ``.mgpu-elastic-state`` in the working folder). :func:`run` deletes it when the
+            training function returns, so the next job starts afresh.
+        **kwargs: attributes committed and restored with the model, e.g. ``epoch=0, batch=0``
+            (JSON values). ``epoch`` and ``batch`` are always there (default 0).
+
+    Raises:
+        ValueError: an attribute is not a JSON value (found at the first commit).
+
+    Example:
+        >>> state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+    """
+
+    def __init__(self, model, optimizer=None, backup_dir: Optional[str] = None, **kwargs):
+        self.model = model
+        self.optimizer = optimizer if optimizer is not None else model.optimizer
+        self.backup_dir = backup_dir or settings.text(STATE_DIR_VARIABLE) or _DEFAULT_DIR
+        self._backup = BackupAndRestore(self.backup_dir, keep=2, delete_checkpoint=False,
+                                        rescale_lr=False)
+        self._backup.set_model(model)
+        self._names = sorted(set(kwargs) | {"epoch", "batch"})
+        self.epoch, self.batch = 0, 0
+        for name, value in kwargs.items():
+            setattr(self, name, value)
+        self._reset_callbacks, self._resume, self.params = [], None, None
+
+    def _values(self) -> dict:
+        return {name: getattr(self, name) for name in self._names}
+
+    def commit(self) -> None:
+        """Write the state as a step backup (rank 0, atomic); stop here if a resize is asked.
+
+        Call it on every rank at the same step (a collective runs in elastic jobs).
+
+        Raises:
+            SystemExit: status 0 on every rank when mgpu-train asked the job to resize.
+        """
+        self._commit(may_stop=True)
+
+    def _commit(self, may_stop: bool) -> None:
+        self._backup.params = self.params  # steps per epoch, for a resume at another size
+        try:
+            self._backup._save((int(self.epoch), int(self.batch)), extra={_EXTRA: self._values()})
+        except TypeError as error:
+            raise ValueError(f"KerasState.commit: the attributes {self._values()!r} must be "
+                             f"JSON values ({error}); keep numbers, strings, lists and dicts "
+                             f"in the state") from error
+        if may_stop:
+            resize.stop_here_if_asked(f"commit after batch {self.batch} of epoch "
+                                      f"{int(self.epoch) + 1}" if self.batch else
+                                      f"commit after epoch {self.epoch}")
+
+    def sync(self) -> None:
+        """Give every rank rank 0's weights, optimizer state and attributes."""
+        if not runtime.is_multi_process():
+            return
+        engines.get_engine().broadcast_variables(model_state_variables(self.model), 0)
+        for name, value in collectives.broadcast_object(self._values()).items():
+            setattr(self, name, value)
+
+    def restore(self) -> bool:
+        """Load the last commit (rank 0 reads it, every rank receives it); False if none.
+
+        Call it on every rank. :func:`run` calls it before the training function.
+        """
+        if self.optimizer is not None and not self.optimizer.built:
+            self.optimizer.build(self.model.trainable_variables)  # the slots a commit fills
+        restored = self._backup._restore_on_chief() if _is_chief() else None
+        if runtime.is_multi_process():
+            restored = collectives.broadcast_object(restored)
+        if restored is None:
+            return False
+        (epochs, batches), saved = restored
+        for name, value in saved.pop(_EXTRA, {}).items():
+            setattr(self, name, value)
+            if name not in self._names:
+                self._names.append(name)
+        self.epoch, self.batch = epochs, batches
+        self._resume = (epochs, batches, saved)
+        self.sync()
+        return True
+
+    def register_reset_callbacks(self, callbacks) -> None:
+        """Functions (no arguments) :func:`run` calls after restoring a commit that a job of
+        another size wrote, e.g. to set the learning rate for ``hvd.size()``."""
+        self._reset_callbacks.extend(callbacks)
+
+    def _take_resume(self):
+        resume, self._resume = self._resume, None
+        return resume
+
+
+def run(func: Callable) -> Callable:
+    """Horovod's ``@hvd.elastic.run``: call ``func(state)`` from the last committed state.
+
+    Before the call every rank restores the state's last commit (if any; a first run just
+    calls `func`) and, when a job of another size wrote it, runs the reset callbacks. When
+    `func` returns, rank 0 deletes the commits. A failure is not retried here: the process
+    exits and mgpu-train starts the job again (``--max-restarts``, elastic options).
+
+    Example:
+        >>> @hvd.elastic.run
+        ... def train(state):
+        ...     state.model.fit(data, epochs=5 - state.epoch, callbacks=callbacks)
+    """
+    @functools.wraps(func)
+    def wrapper(state: KerasState, *args, **kwargs):
+        if state.restore() and (state._resume[2].get("size") or _size()) != _size():
+            for callback in state._reset_callbacks:
+                callback()
+        result = func(state, *args, **kwargs)
+        if _is_chief():
+            shutil.rmtree(state.backup_dir, ignore_errors=True)
+        if runtime.is_multi_process():
+            collectives.barrier()  # no rank returns while the commits may still be there
+        return result
+    return wrapper
+
+
+class CommitStateCallback(keras.callbacks.Callback):
+    """Commit the state every `batches_per_commit` batches and at every epoch's end.
+
+    When ``fit`` starts after :func:`run` restored a commit, it also moves the data on to the
+    committed epoch and batch (as ``BackupAndRestore`` does; fit's epoch 0 is the state's
+    ``epoch``, as in Horovod's ``fit(epochs=epochs - state.epoch)``).
+
+    Args:
+        state: the :class:`KerasState`.
+        batches_per_commit: batches between commits (each commit is a model save on rank 0).
+    """
+
+    def __init__(self, state: KerasState, batches_per_commit: int = 1):
+        super().__init__()
+        if isinstance(batches_per_commit, bool) or not isinstance(batches_per_commit, int) \
+                or batches_per_commit < 1:
+            raise ValueError(f"CommitStateCallback: batches_per_commit={batches_per_commit!r}; "
+                             f"expected a number of batches >= 1 (e.g. 10)")
+        self.state, self.batches_per_commit = state, batches_per_commit
+        self._first_epoch = self._epoch = self._done = self._resumed = self._since = 0
+
+    def on_train_begin(self, logs=None):
+        self.state.params = self.params
+        self._first_epoch, self._since, self._resumed = int(self.state.epoch), 0, 0
+        resume = self.state._take_resume()
+        if resume is None:
+            return
+        epochs, batches, note = epoch_resume.resume_point(*resume, _size(),
+                                                          (self.params or {}).get("steps"))
+        if epochs > self._first_epoch:  # a size change put the position past the epoch's end
+            keras_internals.set_initial_epoch(self.model, epochs - self._first_epoch)
+        patches.resume_at(epochs, batches)
+        self._resumed = batches
+        if _is_chief():
+            where = f", batch {batches + 1}" if batches else ""
+            print(f"elastic: resuming at epoch {epochs + 1}{where} from the commit in "
+                  f"{self.state.backup_dir}" + (f" ({note})" if note else ""), flush=True)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = self._first_epoch + epoch
+        self._done, self._resumed = self._resumed, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        done = batch + 1
+        self._since += done - self._done
+        self._done = done
+        steps = (self.params or {}).get("steps")
+        if self._since < self.batches_per_commit or (steps and done >= steps):
+            return  # the epoch's end commits its last batch
+        self._since = 0
+        self.state.epoch, self.state.batch = self._epoch, done
+        self.state.commit()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._since = 0
+        self.state.epoch, self.state.batch = self._epoch + 1, 0
+        last = self._epoch + 1 - self._first_epoch >= (self.params or {}).get("epochs", 0)
+        self.state._commit(may_stop=not last)
+
+    def on_train_end(self, logs=None):
+        patches.resume_at(0, 0)  # a restore whose fit never reached an epoch
+
+
+class UpdateBatchStateCallback(keras.callbacks.Callback):
+    """Keep ``state.batch`` = the batches done in the current epoch (0 at its end)."""
+
+    def __init__(self, state: KerasState):
+        super().__init__()
+        self.state = state
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.state.batch = batch + 1
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.batch = 0
+
+
+class UpdateEpochStateCallback(keras.callbacks.Callback):
+    """Keep ``state.epoch`` = the epochs done (the state's epoch when ``fit`` began + fit's)."""
+
+    def __init__(self, state: KerasState):
+        super().__init__()
+        self.state = state
+        self._first_epoch = 0
+
+    def on_train_begin(self, logs=None):
+        self._first_epoch = int(self.state.epoch)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.state.epoch = self._first_epoch + epoch + 1

@@ -1,0 +1,216 @@
+"""The runtime layer: the process's place in the job, and what it talks to the other ranks with.
+
+Nothing here imports Keras or a deep-learning framework: a script that only needs the
+topology and the host collectives pays for neither. Its modules, lowest first:
+
+    auth            the per-job key and the authenticated framing of every message mgpu reads
+                    from a socket (the stall inspector's channel, run()'s results)
+    rendezvous      where the ranks meet: the job's host address, free ports, bind addresses
+    stall_channel   the stall inspector's authenticated line protocol
+    stall           the stall inspector: which rank waits where, named when a step stalls
+    this module     init() / shutdown(), the topology (rank, size, local, cross), the MPI
+                    communicator: one state object
+    collectives     host collectives over MPI (allreduce, allgather, broadcast, barrier) with
+                    the mismatch checks that turn a would-be hang into an error
+    compression     what gradients are cast to on the wire (fp16, bf16)
+    launch          mgpu_launch.run(): a Python function on N ranks from a notebook or script
+
+The layers above (engines, training, horovod) import from here; nothing here imports them.
+
+The process's place in the job, and the MPI communicator behind it: one state object.
+
+``init()`` reads the placement the launcher left in the environment (mgpu_launcher.environments),
+starts MPI when there is more than one process, and derives the local (same host) and cross
+(same local rank, across hosts) communicators the way Horovod does. With one process and no
+launcher it starts nothing: every collective is then a copy, and costs nothing measurable.
+"""
+
+import atexit
+import dataclasses
+import sys
+from typing import Any, Callable, List, Optional, Tuple
+
+from mgpu_launch.runtime import auth, stall
+from mgpu_launcher import environments, settings, worker
+
+
+class NotInitializedError(RuntimeError):
+    """A collective or topology query ran before ``mgpu.init()``."""
+
+
+@dataclasses.dataclass
+class State:
+    """Everything ``init()`` sets up; one instance per process (``runtime.state``)."""
+
+    initialized: bool = False
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    cross_rank: int = 0
+    cross_size: int = 1
+    source: str = "single"
+    comm: Any = None  # mpi4py communicator (a duplicate of COMM_WORLD), None on one process
+    host_address: Optional[str] = None  # as the other hosts dial it (rendezvous.job_host_address)
+    job_key: Optional[bytes] = None  # rank 0's random secret of this job (mgpu_launch.runtime.auth)
+    previous_excepthook: Any = None
+
+    def require(self) -> "State":
+        if not self.initialized:
+            raise NotInitializedError(
+                "mgpu_launch is not initialized: call mgpu.init() at the start of the "
+                "training script, before any other mgpu function")
+        return self
+
+
+state = State()
+
+#: (start(state), stop()) pairs run by init() after MPI is up and by shutdown() before it goes
+#: (stopped in reverse): the stall inspector's first; the engines add theirs
+#: (mgpu_launch.engines), so this layer never imports them.
+_hooks: List[Tuple[Callable[[State], None], Callable[[], None]]] = [(stall.start, stall.stop)]
+
+
+def add_hooks(start: Callable[[State], None], stop: Callable[[], None]) -> None:
+    """Run `start(state)` at the end of every ``init()`` and `stop()` at ``shutdown()``."""
+    if (start, stop) not in _hooks:
+        _hooks.append((start, stop))
+
+
+def _abort_on_uncaught(exc_type, exc, tb):
+    """Print as python would, then abort the MPI job so no rank waits in a collective forever."""
+    (state.previous_excepthook or sys.__excepthook__)(exc_type, exc, tb)
+    status = 130 if issubclass(exc_type, KeyboardInterrupt) else 1
+    worker.abort_job(status, worker.describe_exception(exc, status))
+
+
+def _start_mpi(placement: environments.Placement):
+    from mpi4py import MPI  # initializes MPI (thread level "multiple")
+
+    world = MPI.COMM_WORLD
+    if world.Get_size() != placement.size:
+        raise RuntimeError(
+            f"{placement.source} says this job has {placement.size} processes but MPI's "
+            f"COMM_WORLD has {world.Get_size()}: mgpu-launch talks over MPI, so start the job "
+            f"with mgpu-train -np N, mpirun, or srun --mpi=pmix, not with a launcher that "
+            f"does not start MPI")
+    if world.Get_rank() != placement.rank:
+        raise RuntimeError(f"{placement.source} says rank {placement.rank} but MPI says "
+                           f"{world.Get_rank()}: the launcher variables are stale")
+    return world.Dup()
+
+
+def init() -> None:
+    """Join the job. Idempotent: a second call does nothing.
+
+    Works with no launcher at all (a 1-process job), under ``mgpu-train``, ``mpirun``/``mpiexec``
+    and ``srun``. On more than one process it also sets up the Keras backend's engine
+    (mgpu_launch.engines, through its hook), so call it at the top of the script, before building the model:
+    TensorFlow's collectives can only be enabled before TensorFlow creates any tensor.
+    ``MGPU_ENGINE=none`` skips the engine (host collectives only, Keras never imported).
+    On more than one process it starts the stall inspector (mgpu_launch.runtime.stall; knobs
+    ``MGPU_STALL_WARNING_S``, ``MGPU_STALL_SHUTDOWN_S``, ``MGPU_STALL_INSPECTOR``).
+    First it checks every ``MGPU_*`` variable (mgpu_launcher.settings; docs/settings.md) and
+    warns, on rank 0, about a name it does not know.
+
+    Raises:
+        mgpu_launcher.settings.SettingError: an ``MGPU_*`` variable has a bad value (a
+            ValueError; the message names the variable, the value and an example).
+        mgpu_launcher.environments.DetectionError: the launcher's variables are contradictory.
+        RuntimeError: the environment and MPI disagree on the job's size or this rank.
+
+    Example:
+        >>> import mgpu_launch as mgpu
+        >>> mgpu.init()
+        >>> mgpu.size() >= 1
+        True
+    """
+    if state.initialized:
+        return
+    settings.check()
+    placement = environments.detect()
+    if placement.rank == 0:
+        settings.warn_unknown()
+    fresh = State(initialized=True, rank=placement.rank, size=placement.size,
+                  local_rank=placement.local_rank, local_size=placement.local_size,
+                  source=placement.source)
+    if placement.size > 1:
+        comm = _start_mpi(placement)
+        local = comm.Split_type(_mpi().COMM_TYPE_SHARED, key=comm.Get_rank())
+        cross = comm.Split(color=local.Get_rank(), key=comm.Get_rank())
+        fresh.local_rank, fresh.local_size = local.Get_rank(), local.Get_size()
+        fresh.cross_rank, fresh.cross_size = cross.Get_rank(), cross.Get_size()
+        local.Free()
+        cross.Free()
+        fresh.comm = comm
+        fresh.job_key = auth.share_job_key(comm)  # MPI: the bootstrap every rank joined through
+        fresh.previous_excepthook = sys.excepthook
+        sys.excepthook = _abort_on_uncaught
+    vars(state).update(vars(fresh))
+    atexit.register(shutdown)
+    for start, _ in _hooks:
+        start(state)
+
+
+def _mpi():
+    from mpi4py import MPI
+    return MPI
+
+
+def shutdown() -> None:
+    """Leave the job (runs at exit by itself). Idempotent; ``init()`` may be called again."""
+    if not state.initialized:
+        return
+    for _, stop in reversed(_hooks):
+        stop()
+    if state.comm is not None and not _mpi().Is_finalized():
+        state.comm.Free()
+    if sys.excepthook is _abort_on_uncaught:
+        sys.excepthook = state.previous_excepthook
+    vars(state).update(vars(State()))
+
+
+def is_initialized() -> bool:
+    """True between ``init()`` and ``shutdown()``."""
+    return state.initialized
+
+
+def size() -> int:
+    """Number of processes in the job."""
+    return state.require().size
+
+
+def rank() -> int:
+    """This process's global rank, 0 <= rank < size()."""
+    return state.require().rank
+
+
+def local_rank() -> int:
+    """Rank among the processes on this host (the GPU it is pinned to)."""
+    return state.require().local_rank
+
+
+def local_size() -> int:
+    """Number of processes on this host."""
+    return state.require().local_size
+
+
+def cross_rank() -> int:
+    """Index of this host among the hosts (rank among the processes with this local rank)."""
+    return state.require().cross_rank
+
+
+def cross_size() -> int:
+    """Number of hosts (processes with this local rank)."""
+    return state.require().cross_size
+
+
+def is_chief() -> bool:
+    """True on rank 0, the one process that writes checkpoints and logs."""
+    return state.require().rank == 0
+
+
+def is_multi_process() -> bool:
+    """True when initialized with more than one process (the only case with anything to reduce)."""
+    return state.initialized and state.size > 1
+

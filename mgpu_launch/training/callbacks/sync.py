@@ -1,0 +1,63 @@
+"""Callbacks that keep the ranks in step: same start, same (averaged) epoch metrics."""
+
+import keras
+import numpy as np
+
+from mgpu_launch import engines, runtime
+from mgpu_launch.runtime import collectives
+
+
+def model_state_variables(model):
+    """Model weights and optimizer state, without seed-generator states (those stay per rank)."""
+    variables = [v for v in model.variables if "seed_generator" not in v.path]
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and optimizer.built:
+        variables += [v for v in optimizer.variables if "seed_generator" not in v.path]
+    return variables
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """At the start of training, give every rank rank `root_rank`'s weights and optimizer state.
+
+    ``DistributedOptimizer`` already broadcasts the trainable weights when it is built; this
+    callback also covers non-trainable weights (e.g. BatchNorm statistics loaded from a
+    checkpoint) and is harmless to combine with it.
+
+    Args:
+        root_rank: the rank whose state everyone starts from.
+
+    Example:
+        >>> model.fit(x, y, callbacks=[mgpu.callbacks.BroadcastGlobalVariablesCallback(0)])
+    """
+
+    def __init__(self, root_rank: int = 0):
+        super().__init__()
+        self.root_rank = root_rank
+
+    def on_train_begin(self, logs=None):
+        if runtime.is_multi_process():
+            engines.get_engine().broadcast_variables(model_state_variables(self.model),
+                                                     self.root_rank)
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """Replace each epoch's metric logs by their average over the ranks.
+
+    Put it before callbacks that read the logs (checkpointing, early stopping, CSV logging) so
+    they decide on the same, averaged numbers on every rank. Keys are reduced in sorted order,
+    in one collective, so every rank issues the same call.
+    """
+
+    def on_epoch_end(self, epoch, logs=None):
+        if not logs or not runtime.is_multi_process():
+            return
+        keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0)
+        everyone = collectives.allgather_object(keys)
+        if any(other != keys for other in everyone):
+            raise collectives.MismatchError(
+                f"MetricAverageCallback: ranks log different metrics at epoch {epoch}: "
+                + "; ".join(f"rank {r}: {k}" for r, k in enumerate(everyone)))
+        values = np.array([float(logs[k]) for k in keys], dtype=np.float64)
+        averaged = collectives.allreduce(values, op=collectives.Average)
+        for key, value in zip(keys, averaged):
+            logs[key] = float(value)

@@ -1,0 +1,411 @@
+"""DistributedOptimizer: wraps any Keras optimizer and averages gradients across ranks.
+
+A real ``keras.optimizers.Optimizer`` that composes an ``inner_optimizer`` (the shape of Keras's
+own ``LossScaleOptimizer``): ``apply(grads)`` reduces the gradients through the backend engine
+— inside the compiled train step — then lets the inner optimizer update the variables.
+"""
+
+import json
+import os
+import zipfile
+from typing import Any, List, Optional
+
+import keras
+from keras import ops
+
+from mgpu_launch import engines, keras_internals, runtime
+from mgpu_launch.runtime import collectives
+from mgpu_launch.runtime.collectives import MismatchError, ReduceOp
+from mgpu_launch.runtime.compression import Compression, Compressor
+from mgpu_launch.training import patches
+from mgpu_launch.training.optimizer_step import (Accumulation, _MultipliedSchedule, apply_inner,
+                                                 innermost)
+
+
+@keras.saving.register_keras_serializable(package="mgpu_launch")
+class DistributedOptimizer(keras.optimizers.Optimizer):
+    """An optimizer whose updates use gradients averaged (or summed) over all ranks.
+
+    Args:
+        optimizer: the ``keras.optimizers.Optimizer`` to wrap (e.g. ``SGD``, ``Adam``, or a
+            ``LossScaleOptimizer`` — see the mixed-precision note).
+        compression: ``Compression.none`` (default), ``.fp16`` or ``.bf16``: the dtype the
+            gradients travel in; they are cast back after the allreduce.
+        op: ``mgpu.Average`` (default) or ``mgpu.Sum``.
+        backward_passes_per_step: accumulate this many local gradients before one allreduce
+            and one update (a larger effective batch at the same memory). As with Keras's
+            ``gradient_accumulation_steps``, ``iterations`` counts updates while a
+            ``LearningRateSchedule`` is called with the number of backward passes (Horovod's
+            ``iterations`` counts passes).
+        average_aggregated_gradients: divide the accumulated gradients by
+            ``backward_passes_per_step`` (True, default) or keep their sum.
+        gradient_predivide_factor: with ``op=Average``, divide by this factor before the sum
+            and by ``size / factor`` after it (Horovod's option, for fp16 range).
+        sparse_as_dense: TensorFlow's sparse gradients (``tf.IndexedSlices`` of an
+            ``Embedding``): False (default, as Horovod) gathers every rank's slices, so the
+            inner optimizer sees what one process would (exact, e.g. for Adam); True sums them
+            as dense tensors (cheaper when a batch touches a large share of the table, see
+            docs/training-recipe.md). Other backends have dense gradients only.
+        cuda_graph: torch backend on GPUs: capture the whole train step in one CUDA graph and
+            replay it (True), keep it eager (False), or follow ``MGPU_TORCH_CUDA_GRAPH=1``
+            (None, default). Falls back to eager with one warning when the step cannot be
+            captured; see docs/torch-cuda-graphs.md. Ignored by the other backends.
+        name: the optimizer's name.
+
+    Mixed precision: with the ``mixed_float16`` policy, wrap the loss-scaling optimizer and
+    tell ``compile`` not to add another one:
+    ``DistributedOptimizer(LossScaleOptimizer(opt))`` and ``compile(..., auto_scale_loss=False)``.
+    The loss scaler then checks the *reduced* gradients, so every rank agrees on skipping a step.
+    On JAX the loss scaler runs its own stateless update inside the compiled step.
+    A ``LossScaleOptimizer`` wrapped *around* this one would check each rank's local gradients
+    and could make ranks disagree (and hang); that case is refused with an error.
+
+    At the first step every rank receives rank 0's trainable weights, after the ranks check that
+    they hold the same variables (count, shapes, dtypes); a mismatch raises
+    ``mgpu.MismatchError`` on every rank. ``callbacks.BroadcastGlobalVariablesCallback`` also
+    copies non-trainable weights and optimizer state (needed after loading them on one rank).
+    When the variables only come into existence inside TensorFlow's traced step (a lazily built
+    subclassed model), the copy happens inside the first step instead.
+
+    With a ``LearningRateSchedule`` as the wrapped optimizer's rate, ``lr_multiplier`` is a
+    variable its output is multiplied by; the LR warm-up / schedule callbacks set it.
+
+    Example:
+        >>> opt = mgpu.DistributedOptimizer(keras.optimizers.SGD(mgpu.scale_lr(0.01), momentum=0.9))
+        >>> model.compile(optimizer=opt, loss="sparse_categorical_crossentropy")
+    """
+
+    def __init__(self, optimizer, compression=Compression.none, op: ReduceOp = collectives.Average,
+                 backward_passes_per_step: int = 1, average_aggregated_gradients: bool = True,
+                 gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
+                 cuda_graph: Optional[bool] = None, name: Optional[str] = None, **kwargs):
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise ValueError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer; got "
+                             f"{optimizer!r} ({type(optimizer).__name__}). Pass e.g. "
+                             f"keras.optimizers.SGD(0.01).")
+        if isinstance(op, str):
+            op = ReduceOp(op)
+        if op not in (collectives.Average, collectives.Sum):
+            raise ValueError(f"op={op!r}: expected mgpu.Average or mgpu.Sum")
+        if int(backward_passes_per_step) < 1:
+            raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r}: expected "
+                             f"an integer >= 1")
+        if gradient_predivide_factor <= 0 or (gradient_predivide_factor != 1.0
+                                              and op is not collectives.Average):
+            raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor!r}: "
+                             f"expected a positive number, and only with op=mgpu.Average")
+        if cuda_graph not in (None, True, False):
+            raise ValueError(f"cuda_graph={cuda_graph!r}: expected True, False or None "
+                             f"(None follows MGPU_TORCH_CUDA_GRAPH)")
+        if kwargs:
+            raise ValueError(f"DistributedOptimizer does not take {sorted(kwargs)}: set them "
+                             f"on the wrapped optimizer instead.")
+        super().__init__(learning_rate=0.0, name=name or f"Distributed{optimizer.name}")
+        self._wrapped_by_loss_scaler = False
+        self.inner_optimizer = optimizer
+        self.compression: Compressor = Compression.get(compression)
+        self.op = op
+        self.backward_passes_per_step = int(backward_passes_per_step)
+        self.average_aggregated_gradients = bool(average_aggregated_gradients)
+        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self.sparse_as_dense = bool(sparse_as_dense)
+        #: ids of variables kept per rank (register_local_var): not reduced, not synced
+        self._local_ids = set()
+        #: divide local variables' gradients by size() (Horovod's scale_local_gradients)
+        self.scale_local_gradients = True
+        self.cuda_graph = cuda_graph
+        #: with a LearningRateSchedule: a variable its output is multiplied by (LR callbacks)
+        self.lr_multiplier = None
+        self._sync_in_step = False
+        self._accumulation: Optional[Accumulation] = None
+        self._schedule: Optional[_MultipliedSchedule] = None
+        scheduled = innermost(optimizer)  # under a LossScaleOptimizer: the optimizer it wraps
+        rate = keras_internals.raw_learning_rate(scheduled)
+        if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
+            with keras.name_scope(self.name, caller=self):
+                self.lr_multiplier = self.add_variable(shape=(), initializer="ones",
+                                                       name="lr_multiplier")
+            self._schedule = _MultipliedSchedule(rate, self.lr_multiplier,
+                                                 self.backward_passes_per_step)
+            keras_internals.swap_learning_rate(scheduled, self._schedule)
+        # Device prefetch of fit's batches (MGPU_PREFETCH), the ranks' agreement check before
+        # the first step, and (JAX) the engine's train step: all patches of Keras internals.
+        patches.install(DistributedOptimizer)
+        self._init_done = True
+
+    def __setattr__(self, name, value):
+        # A LossScaleOptimizer wrapped around us resets our loss_scale_factor after __init__.
+        if name == "loss_scale_factor" and getattr(self, "_init_done", False):
+            super().__setattr__("_wrapped_by_loss_scaler", True)
+        super().__setattr__(name, value)
+
+    # -- building: rank 0's state everywhere, variables checked ----------------------------
+    def build(self, var_list):
+        if self._wrapped_by_loss_scaler:
+            raise ValueError(
+                "a LossScaleOptimizer wraps this DistributedOptimizer (compile() adds one under "
+                "the mixed_float16 policy): it would check each rank's local gradients and ranks "
+                "could disagree on skipping a step. Use DistributedOptimizer("
+                "keras.optimizers.LossScaleOptimizer(opt)) and compile(..., "
+                "auto_scale_loss=False).")
+        self.inner_optimizer.build(var_list)
+        if self.backward_passes_per_step > 1:
+            self._accumulation = Accumulation(self, var_list, self.backward_passes_per_step,
+                                              self.average_aggregated_gradients)
+            if self._schedule is not None:
+                self._schedule.pass_counter = self._accumulation.pass_counter
+        self._in_step_synced = self.add_variable(shape=(), dtype="int", initializer="zeros",
+                                                 name="in_step_synced")
+        super().build(var_list)
+        if self.backward_passes_per_step == 1 and runtime.is_multi_process():
+            engines.get_engine().watch(var_list, **self._reduction())
+        self._synced = False
+        self._sync_from_root()
+
+    def _sync_from_root(self):
+        """Once: check every rank holds the same variables, then copy rank 0's values.
+
+        Keras may build the optimizer while it traces the step symbolically, when variables
+        have no values yet; then the sync waits for the first real step (`apply`).
+        """
+        if self._synced or not runtime.is_multi_process():
+            return
+        if keras_internals.in_stateless_scope() or keras_internals.in_symbolic_scope():
+            return
+        trainable = keras_internals.built_variables(self)
+        check_same_variables(trainable, "the model's trainable variables")
+        # Only the model's weights: fresh optimizer slots are equal (zeros) on every rank, and
+        # slots created inside the step's trace cannot be read back yet.
+        engine = engines.get_engine()
+        if engine.readable_on_host(trainable):
+            engine.broadcast_variables(self._shared(trainable), 0)
+        else:  # created inside the step's trace (TF, lazily built models): sync in the step
+            self._sync_in_step = True
+        self._synced = True
+
+    def _broadcast_in_step(self, variables):
+        """At the first executed step: rank 0's values, as a sum of (rank 0's, zeros, ...)."""
+        engine = engines.get_engine()
+        is_root = runtime.rank() == 0
+        variables = self._shared(variables)
+
+        def copy_from_root():
+            sent = [v.value if is_root else ops.zeros_like(v.value) for v in variables]
+            for variable, value in zip(variables, engine.allreduce(sent, average=False)):
+                variable.assign(value)
+            self._in_step_synced.assign(1)
+
+        engine.cond_update(ops.equal(self._in_step_synced, 0), copy_from_root,
+                           list(variables) + [self._in_step_synced])
+
+    @property
+    def variables(self):
+        return keras_internals.own_variables(self) + self.inner_optimizer.variables
+
+    # -- the step ---------------------------------------------------------------------------
+    def register_local_var(self, var) -> None:
+        """Keep `var` per rank (Horovod's name): its gradient is not reduced (only divided by
+        ``size()`` while ``scale_local_gradients``, as Horovod does, since the learning rate is
+        scaled by it) and rank 0's value is not copied to it. Call before the first step."""
+        self._local_ids.add(id(var))
+
+    def _shared(self, variables) -> list:
+        return [v for v in variables if id(v) not in self._local_ids]
+
+    def _reduce(self, grads: List[Any], variables) -> List[Any]:
+        if not runtime.is_multi_process():
+            return grads
+        variables = list(variables)
+        shared = [i for i, v in enumerate(variables) if id(v) not in self._local_ids]
+        reduced = [g if id(v) not in self._local_ids or g is None or not self.scale_local_gradients
+                   else ops.divide(g, runtime.size()) for g, v in zip(grads, variables)]
+        summed = engines.get_engine().reduce_gradients(
+            [grads[i] for i in shared], [variables[i] for i in shared], **self._reduction(),
+            sparse_as_dense=self.sparse_as_dense)
+        for i, gradient in zip(shared, summed):
+            reduced[i] = gradient
+        return reduced
+
+    def _reduction(self) -> dict:
+        factor = self.gradient_predivide_factor
+        return {"average": self.op is collectives.Average, "prescale": 1.0 / factor,
+                "postscale": factor, "compression": self.compression}
+
+    def apply(self, grads, trainable_variables=None):
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+            self.built = True
+        self._sync_from_root()
+        variables = trainable_variables or keras_internals.built_variables(self)
+        if self._sync_in_step:
+            self._broadcast_in_step(variables)
+
+        def reduce_and_apply(local):
+            apply_inner(self.inner_optimizer, self._reduce(local, variables),
+                        trainable_variables, self._schedule)
+
+        if self._accumulation is None:
+            reduce_and_apply(list(grads))
+        else:
+            self._accumulation.step(list(grads), engines.get_engine_or_default().cond_update,
+                                    reduce_and_apply, list(variables) + self.variables)
+
+    # -- forwarded to the inner optimizer ---------------------------------------------------
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    def scale_loss(self, loss):
+        return self.inner_optimizer.scale_loss(loss)
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    # -- saving: files hold the inner optimizer, so plain Keras loads them ------------------
+    def __dir__(self):
+        # Keras's saving walks dir(): hiding the inner optimizer keeps it from being written a
+        # second time, under a path plain Keras would not read, by save_own_variables below.
+        return [name for name in super().__dir__() if name != "inner_optimizer"]
+
+    def save_own_variables(self, store):
+        """Write the inner optimizer's variables only, in its order (what plain Keras reads).
+
+        Our own variables are not saved: the in-step sync flag must start at 0 in a new job,
+        the LR callbacks set ``lr_multiplier`` again at every batch, and with
+        ``backward_passes_per_step > 1`` a partly accumulated gradient is dropped.
+        """
+        self.inner_optimizer.save_own_variables(store)
+
+    def load_own_variables(self, store):
+        inner = self.inner_optimizer
+        keys, expected = len(store.keys()), len(inner.variables)
+        if expected and keys == len(keras_internals.own_variables(self)) + expected:
+            # A file from mgpu_launch 0.1, which saved our variables first, then the inner's.
+            for index, variable in enumerate(inner.variables):
+                variable.assign(store[str(keys - expected + index)])
+            return
+        inner.load_own_variables(store)
+
+    def inner_config(self) -> dict:
+        """The inner optimizer, serialized as Keras does, plus our settings under "mgpu_launch".
+
+        This is what ``model.save`` writes for the model's optimizer (the compile-config patch
+        in ``keras_patches``): plain ``keras.models.load_model`` builds the inner optimizer
+        and ignores the extra key; :func:`load_model` reads it back to re-wrap.
+        """
+        settings = self.get_config()
+        config = settings.pop("optimizer")
+        config["mgpu_launch"] = {"class_name": "DistributedOptimizer", "config": settings}
+        return config
+
+    def _serialized_inner(self) -> dict:
+        scheduled = innermost(self.inner_optimizer)
+        schedule = keras_internals.raw_learning_rate(scheduled)
+        if isinstance(schedule, _MultipliedSchedule):  # save the user's schedule, not ours
+            keras_internals.swap_learning_rate(scheduled, schedule.schedule)
+        try:
+            return keras.saving.serialize_keras_object(self.inner_optimizer)
+        finally:
+            keras_internals.swap_learning_rate(scheduled, schedule)
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "optimizer": self._serialized_inner(),
+            "compression": self.compression.name,
+            "op": self.op.value,
+            "backward_passes_per_step": self.backward_passes_per_step,
+            "average_aggregated_gradients": self.average_aggregated_gradients,
+            "gradient_predivide_factor": self.gradient_predivide_factor,
+            "sparse_as_dense": self.sparse_as_dense,
+            "cuda_graph": self.cuda_graph,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        inner = keras.saving.deserialize_keras_object(config.pop("optimizer"),
+                                                      custom_objects=custom_objects)
+        return cls(inner, **config)
+
+
+def check_same_variables(variables, what: str) -> None:
+    """Raise MismatchError on every rank unless all ranks hold the same variables.
+
+    Compares count, shapes and dtypes (not values) with rank 0's, and names the first variable
+    that differs.
+    """
+    # A raw tf.Variable (accepted by Keras optimizers on TF) has a name but no path.
+    mine = [(getattr(v, "path", None) or v.name, tuple(v.shape),
+             keras.backend.standardize_dtype(v.dtype)) for v in variables]
+    everyone = collectives.allgather_object(mine)
+    reference = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        for index, (ours, other) in enumerate(zip(reference, theirs)):
+            if ours[1:] != other[1:]:
+                raise MismatchError(
+                    f"{what} differ between ranks: variable #{index} is {other[0]!r} "
+                    f"{other[1]} {other[2]} on rank {rank} but {ours[0]!r} {ours[1]} {ours[2]} "
+                    f"on rank 0. Every rank must build the same model.")
+        if len(theirs) != len(reference):
+            raise MismatchError(
+                f"{what} differ between ranks: rank {rank} has {len(theirs)} variables, rank 0 "
+                f"has {len(reference)}. Every rank must build the same model.")
+
+
+def scale_lr(base_lr: float) -> float:
+    """The learning rate for ``size()`` workers: ``base_lr * size()`` (Goyal et al.).
+
+    Example:
+        >>> keras.optimizers.SGD(mgpu.scale_lr(0.01))   # 0.04 on 4 processes
+    """
+    return base_lr * runtime.size()
+
+
+def load_model(path: str, custom_objects: Optional[dict] = None, **kwargs):
+    """``keras.models.load_model`` that leaves the model's optimizer a DistributedOptimizer.
+
+    Files saved from a DistributedOptimizer model hold the inner optimizer (so plain Keras
+    loads them) and, in a ``.keras`` file, the wrapper's settings: the model comes back with a
+    DistributedOptimizer of those settings around the loaded optimizer and its state. A model
+    saved from plain single-process training gets its optimizer wrapped (default arguments).
+
+    Args:
+        path: a ``.keras`` file (or a legacy ``.h5``).
+        custom_objects: as for ``keras.models.load_model``.
+        **kwargs: passed to ``keras.models.load_model``.
+
+    Returns:
+        The model, its optimizer a DistributedOptimizer.
+
+    Example:
+        >>> model = mgpu.load_model("ckpt/model-05.keras")
+        >>> model.fit(x, y, initial_epoch=5, epochs=10)
+    """
+    model = keras.models.load_model(path, custom_objects=custom_objects, **kwargs)
+    if getattr(model, "optimizer", None) is not None and not isinstance(
+            model.optimizer, DistributedOptimizer):
+        model.optimizer = DistributedOptimizer(model.optimizer, **saved_settings(path))
+    return model
+
+
+def saved_settings(path) -> dict:
+    """The DistributedOptimizer settings a ``.keras`` file was saved with ({} if none)."""
+    path = os.fspath(path)
+    if not path.endswith(".keras") or not zipfile.is_zipfile(path):
+        return {}
+    with zipfile.ZipFile(path) as archive:
+        config = json.loads(archive.read("config.json"))
+    optimizer = (config.get("compile_config") or {}).get("optimizer")
+    if not isinstance(optimizer, dict):
+        return {}
+    return dict((optimizer.get("mgpu_launch") or {}).get("config") or {})

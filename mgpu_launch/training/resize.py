@@ -1,0 +1,48 @@
+"""Stopping an elastic job at a backup point, every rank at the same step, to resize it.
+
+``mgpu-train --host-discovery-script`` (mgpu_launcher.elastic) runs every rank with
+``MGPU_ELASTIC=1``; when discovery offers more slots (or a host of the job leaves it) it sends
+mpirun ``SIGUSR1``, which mpirun forwards to every rank, where mgpu_launcher.worker notes it.
+The ranks receive it at different moments, so at each backup point of
+``callbacks.BackupAndRestore`` (after rank 0 wrote the backup) every rank calls
+:func:`stop_here_if_asked`: one allgather decides for all, and when any rank was asked, every
+rank leaves ``fit`` there — rank 0 first prints ``mgpu_launcher.worker.RESIZE_MARKER`` with the
+position — and exits with status 0. mgpu-train then starts the job again with the new size,
+and BackupAndRestore resumes it from that backup.
+"""
+
+import sys
+
+from mgpu_launch import runtime
+from mgpu_launch.runtime import collectives
+from mgpu_launcher import settings, worker
+
+
+def elastic() -> bool:
+    """Whether this process is a rank of an elastic mgpu-train job."""
+    return settings.flag(worker.ELASTIC_VARIABLE)
+
+
+def stop_here_if_asked(where: str) -> None:
+    """At a backup point: end every rank's program together if mgpu-train asked any rank to.
+
+    Call it on every rank at the same point (a collective runs). Outside an elastic job it
+    does nothing and costs nothing.
+
+    Args:
+        where: the backup point, in words (rank 0 prints it for mgpu-train).
+
+    Raises:
+        SystemExit: status 0, on every rank, when the job is to stop here.
+    """
+    if not elastic():
+        return
+    asked = worker.resize_requested()
+    if runtime.is_multi_process():
+        asked = any(collectives.allgather_object(asked))
+    if not asked:
+        return
+    if runtime.state.rank == 0:
+        print(f"{worker.RESIZE_MARKER} {where}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    raise SystemExit(0)

@@ -1,0 +1,101 @@
+"""The fit probes that tell the stall inspector where this rank is in the step protocol.
+
+``fit`` of a model compiled with a DistributedOptimizer gets two extra callbacks: one before
+every other callback and one after them all. Between them they mark each step's phases
+(``mgpu_launch.runtime.stall``): entering on_train_begin (where ranks agree on the plan and restore
+backups), entering on_train_batch_begin, entering the train step (its gradient
+allreduce), entering on_train_batch_end, leaving it, validation, on_epoch_end and the end of
+``fit``. Putting them first and last is what lets a warning say "last seen in
+on_train_batch_end of step 5" when another callback of that step never returns.
+
+They are ``async_safe``, so they never stop Keras from dispatching batch-end callbacks on its
+own thread; a mark that arrives late from there is dropped (positions only move forward).
+
+The first probe also prints the supervisor's progress marker once, on rank 0, when the first
+step is done (only when ``mgpu-train`` asks for it with ``MGPU_PROGRESS_MARKER=1``): a job
+that fails after that line is worth a restart, one that fails before it is not.
+"""
+
+import sys
+from typing import Any, Dict
+
+import keras
+
+from mgpu_launch import runtime
+from mgpu_launch.runtime import stall
+from mgpu_launcher import settings, worker
+
+
+class _Steps:
+    """The process-wide step count (steps are numbered from 1, across fit calls)."""
+
+    step = 0
+    last_begin_batch = -1
+    progress_reported = False
+
+
+def _step_of_end(batch: int) -> int:
+    # Asynchronous dispatch may deliver a batch end after the next batch began.
+    return _Steps.step if batch >= _Steps.last_begin_batch else _Steps.step - 1
+
+
+class FirstProbe(keras.callbacks.Callback):
+    """Runs before every other callback of the fit."""
+
+    async_safe = True
+
+    def on_train_begin(self, logs=None):
+        stall.mark(_Steps.step, stall.FIT_BEGIN)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        _Steps.step += 1
+        _Steps.last_begin_batch = batch
+        stall.mark(_Steps.step, stall.BATCH_BEGIN)
+
+    def on_train_batch_end(self, batch, logs=None):
+        stall.mark(_step_of_end(batch), stall.BATCH_END)
+        if not _Steps.progress_reported:
+            _Steps.progress_reported = True
+            if settings.flag("MGPU_PROGRESS_MARKER") and runtime.state.rank == 0:
+                print(worker.PROGRESS_MARKER, file=sys.stderr, flush=True)
+
+    def on_test_begin(self, logs=None):
+        stall.mark(_Steps.step, stall.VALIDATION)
+
+    def on_epoch_end(self, epoch, logs=None):
+        stall.mark(_Steps.step, stall.EPOCH_END, f"epoch {epoch + 1}")
+
+
+class LastProbe(keras.callbacks.Callback):
+    """Runs after every other callback of the fit."""
+
+    async_safe = True
+
+    def on_train_batch_begin(self, batch, logs=None):
+        stall.mark(_Steps.step, stall.TRAIN_STEP)
+
+    def on_train_batch_end(self, batch, logs=None):
+        stall.mark(_step_of_end(batch), stall.AFTER_STEP)
+
+    def on_train_end(self, logs=None):
+        stall.mark(_Steps.step, stall.FIT_END)
+
+
+def wanted() -> bool:
+    """Whether a fit should carry the probes: the inspector runs, or mgpu-train asks for the
+    progress marker (restarts)."""
+    return stall.active() or settings.flag("MGPU_PROGRESS_MARKER")
+
+
+def add_probes(arguments: Dict[str, Any]) -> None:
+    """Put the probes first and last in the callbacks of a ``fit`` call (its bound arguments)."""
+    first, last = FirstProbe(), LastProbe()
+    callbacks = arguments.get("callbacks")
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks.callbacks.insert(0, first)
+        callbacks.callbacks.append(last)
+        if callbacks.model is not None:
+            first.set_model(callbacks.model)
+            last.set_model(callbacks.model)
+    else:
+        arguments["callbacks"] = [first, *list(callbacks or []), last]
