@@ -224,6 +224,10 @@ SETTINGS: Dict[str, Setting] = _declare(
     _("MGPU_TF_COLLECTIVE", "choice", "auto", RANKS,
       "TensorFlow: the in-graph collective (`ring` for ranks that share a GPU; auto picks it)",
       choices=("auto", "nccl", "ring"), example="ring"),
+    _("MGPU_TF_SPARSE_GATHER", "choice", "auto", RANKS,
+      "TensorFlow: how sparse gradients are gathered: `static` (fixed-size buffers, compiles "
+      "under XLA), `dynamic` (exact row counts; not under XLA); auto: static under XLA",
+      choices=("auto", "dynamic", "static"), example="static"),
     _("MGPU_TF_HOST", "text", None, RANKS,
       "TensorFlow: the address the other ranks reach this one at", example="10.0.0.2",
       shown_default="the job's host address"),

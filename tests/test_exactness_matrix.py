@@ -53,9 +53,9 @@ def names(cases):
     return [case.values[0] if hasattr(case, "values") else case for case in cases]
 
 
-def run_job(directory, cases, np_):
+def run_job(directory, cases, np_, **env):
     return launch_ok("-np", str(np_), WORKER, json.dumps(names(cases)), str(directory),
-                     timeout=900, **QUIET)
+                     timeout=900, **QUIET, **env)
 
 
 def load(path):
@@ -107,6 +107,21 @@ def test_two_processes_match_one_process(two_process_job, case):
 def test_four_processes_match_one_process(tmp_path):
     run_job(tmp_path, ["transformer_adamw"], 4)
     check_case(tmp_path, "transformer_adamw", 4)
+
+
+#: the cases with an Embedding: their gradients are IndexedSlices on TensorFlow
+SPARSE_CASES = ["embedding_adam", "transformer_adamw"]
+
+
+@pytest.mark.job
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="IndexedSlices gradients are TensorFlow's")
+def test_sparse_gradients_through_the_xla_compatible_gather(tmp_path):
+    # The path a default fit takes on GPUs (jit_compile="auto" is XLA there), forced on the CPU,
+    # which cannot compile collectives: fixed-size buffers, zero-valued padding slices. The
+    # worker refuses the dynamic gather, so this fails if the static path is not the one taken.
+    run_job(tmp_path, SPARSE_CASES, 2, MGPU_TF_SPARSE_GATHER="static", EXACTNESS_STATIC_ONLY="1")
+    for case in SPARSE_CASES:
+        check_case(tmp_path, case, 2)
 
 
 # -- single process, in this process: the paths that need no second rank ------------------------

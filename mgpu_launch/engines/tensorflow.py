@@ -78,6 +78,7 @@ class TensorFlowEngine(Engine):
         self.transport = settings.choice("MGPU_TF_TRANSPORT")
         self.implementation = settings.choice("MGPU_TF_COLLECTIVE")
         self.timeout = settings.seconds("MGPU_COLLECTIVE_TIMEOUT")
+        self.sparse_gather = settings.choice("MGPU_TF_SPARSE_GATHER")
         self.size = 1
         self.comm = None
         self._instance_key = self._ordering_token = None

@@ -15,8 +15,16 @@ few buckets (at most 12.5% more rows: 8 buckets per power of two) and each bucke
 fixed key, in a range of its own. A long run with varying sizes then uses a bounded set of
 keys (the engine module's docstring says why that matters).
 
-Under XLA (``jit_compile=True``) the allgather cannot compile: its output shape depends on the
-values exchanged. Broadcast and the reductions compile where the engine's allreduce does.
+Under XLA (``jit_compile=True``, and Keras's default ``"auto"`` on GPUs) that allgather cannot
+compile: its output shape depends on the values exchanged. Broadcast and the reductions compile
+where the engine's allreduce does. Sparse gradients therefore take another path under XLA
+(:func:`gather_static`, ``MGPU_TF_SPARSE_GATHER``): each rank pads its slices to a bucket of its
+own row count (a compile-time constant under XLA) with zero-valued rows at index 0, places them
+at its rank's offset in a zero buffer of ``size`` such blocks, and one ``CollectiveReduceV2``
+sum of that buffer is the gather (x + 0 = x: exact). The zero rows add nothing to any
+optimizer's update. Ranks must then feed batches of the same size at each step, as
+``mgpu.data.shard`` does: ranks whose row counts fall in different buckets wait on different
+collectives, which the stall inspector reports.
 
 Dtypes: the gather takes float16/32/64 and int32/64 as they are; bfloat16 travels as its
 16 bits (bitcast), bool and 8/16-bit integers as int32. The broadcast is a sum of the root's
@@ -185,18 +193,74 @@ def reduce(engine, tensor, op: str):
                                                               merge_op=_MERGE_OPS[op]))
 
 
+def _in_xla() -> bool:
+    from tensorflow.python.framework import ops
+    from tensorflow.python.ops import control_flow_util
+    return bool(control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()))
+
+
+def _static_gather_wanted(engine) -> bool:
+    """MGPU_TF_SPARSE_GATHER: static under XLA by default, where the dynamic gather cannot
+    compile; always with ``static`` (how CPU tests run the XLA path), never with ``dynamic``."""
+    choice = engine.sparse_gather
+    if engine.transport == "mpi" or choice == "dynamic":
+        return False
+    return choice == "static" or _in_xla()
+
+
+def gather_static(engine, tensors: Sequence[Any]) -> List[Any]:
+    """Every rank's `tensors` side by side along axis 0, through fixed-size buffers only, so
+    that XLA can compile it (the module docstring says how).
+
+    All `tensors` have the same number of rows on this rank. Each result has ``size x padded``
+    rows, rank r's at ``[r x padded, r x padded + rows)``, zeros after them (``padded``: the
+    row count rounded up to its bucket, the same on every rank whose count is in that bucket).
+
+    Returns:
+        The gathered tensors, padding rows zero.
+    """
+    tf = _tf()
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    rows = tf.shape(tensors[0], out_type=tf.int64)[0]
+    padded, bucket = _bucket(rows)
+    rank, size = runtime.state.rank, engine.size
+    results = []
+    for tensor in tensors:
+        wire, back = _to_wire(tensor, _REDUCIBLE)
+        rest = wire.shape[1:]
+        signature = f"static-gather:{wire.dtype.name}:{rest.as_list()}"
+        base = _bucket_key_base(engine, f"{signature}:{_position(engine, signature)}")
+        # this rank's block, padded with zero rows, at its offset among size blocks of zeros
+        before = tf.cast(rank, tf.int64) * padded
+        after = tf.cast(size - 1 - rank, tf.int64) * padded + (padded - rows)
+        spans = tf.concat([[[before, after]], tf.zeros([rest.rank, 2], tf.int64)], axis=0)
+        placed = tf.pad(wire, spans)
+        summed = tf.raw_ops.CollectiveReduceV2(
+            input=placed, group_size=size, group_key=1,
+            instance_key=tf.cast(base + bucket, tf.int32),
+            ordering_token=[engine._ordering_token.handle], merge_op="Add", final_op="Id",
+            communication_hint=engine.implementation, timeout_seconds=engine.timeout)
+        results.append(back(tf.ensure_shape(summed, [None] + rest.as_list())))
+    return results
+
+
 def reduce_sparse(engine, gradient, *, scale: float, compression=None):
     """An ``IndexedSlices`` gradient summed over the ranks the way one process would hold it:
     every rank's slices side by side (values and indices gathered, values times `scale`).
 
     The inner optimizer then sees what a single process with the ranks' batches together
     would: Adam squares each slice before summing duplicates, so summing first (densifying)
-    gives another result.
+    gives another result. Under XLA (or ``MGPU_TF_SPARSE_GATHER=static``) the slices travel in
+    fixed-size buffers (:func:`gather_static`), with zero-valued padding slices at index 0.
     """
     tf = _tf()
     values = gradient.values
     wire = compression.compress(values) if compression else values
-    gathered, indices = allgather_rows(engine, [wire, gradient.indices])
+    if engine.size > 1 and _static_gather_wanted(engine):
+        # zero-valued padding rows at index 0: nothing added to any row's update
+        gathered, indices = gather_static(engine, [wire, gradient.indices])
+    else:
+        gathered, indices = allgather_rows(engine, [wire, gradient.indices])
     if compression:
         gathered = compression.decompress(gathered, values.dtype)
     if scale != 1.0:

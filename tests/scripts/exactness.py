@@ -12,6 +12,13 @@ match. A case with ``ranks_as_passes`` also gets ``<case>.accumulated.npz``: one
 accumulating the ranks' batches one after the other with Keras's gradient_accumulation_steps
 (mixed precision: the same float16 sums as the ranks'). Each npz also holds ``iterations`` and
 ``learning_rate`` (the optimizer's, read after training) under those keys.
+
+Environment (set by the tests or by hand on a GPU machine):
+    EXACTNESS_FP32=1          full float32 matmuls and convolutions: TF32 off in TensorFlow,
+                              JAX and torch (Ampere/Hopper use TF32 by default, which makes the
+                              ranks' and the reference's sums differ by ~1e-3 relative)
+    EXACTNESS_STATIC_ONLY=1   TensorFlow: fail if a sparse gradient takes the dynamic gather
+                              (the test that the XLA-compatible path is the one that ran)
 """
 
 import json
@@ -24,6 +31,37 @@ import mgpu_launch as mgpu
 
 mgpu.init()
 import keras  # noqa: E402 - after init, as the README asks
+
+
+def full_float32() -> None:
+    """TF32 off in whichever framework is the backend (EXACTNESS_FP32=1)."""
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+        tf.config.experimental.enable_tensor_float_32_execution(False)
+    elif backend == "jax":
+        import jax
+        jax.config.update("jax_default_matmul_precision", "highest")
+    elif backend == "torch":
+        import torch
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
+def forbid_dynamic_gather() -> None:
+    """EXACTNESS_STATIC_ONLY=1: the dynamic (not XLA-compilable) gather raises if reached."""
+    from mgpu_launch.engines import tensorflow_collectives
+
+    def refused(engine, tensors):
+        raise AssertionError("the dynamic allgather ran; MGPU_TF_SPARSE_GATHER=static expected "
+                             "the fixed-size gather")
+    tensorflow_collectives.allgather_rows = refused
+
+
+if os.environ.get("EXACTNESS_FP32") == "1":
+    full_float32()
+if os.environ.get("EXACTNESS_STATIC_ONLY") == "1":
+    forbid_dynamic_gather()
 
 STEPS = 4          # updates per case
 GLOBAL_BATCH = 8   # samples per update, all ranks together

@@ -1,0 +1,61 @@
+#!/bin/bash
+# Correctness on a machine with 2+ NVIDIA GPUs, one GPU per rank (issue 36): the exactness matrix
+# for every backend through NCCL, and the TensorFlow paths that only a GPU machine shows (XLA is
+# Keras's default "auto" on GPUs). Prerequisites as for benchmarks/tf_gpu/session.sh: .whl
+# carried (../shared/gpu/fetch-wheels.sh), TensorFlow unpacked in /tmp/tfgpu from
+# ../shared/gpu/pack-tf.sh's chunks. From the project root:
+#   bash benchmarks/multi_gpu/session.sh STAGE...     (logs tarred into $OUT/STAGE.tgz)
+# Stages:
+#   tf_matrix     tests/test_exactness_matrix.py two-process cases (Embedding, transformer, LSTM,
+#                 mixed precision, SyncBN ...) plus the forced fixed-size sparse gather, TF
+#   jax_matrix    the same two-process cases, JAX
+#   torch_matrix  the same two-process cases, torch
+#   tf_paths      digits on 2 GPUs, the DistributedGradientTape example, SyncBatchNormalization,
+#                 fp16 / bf16 wire compression (tests/test_training.py -k compression)
+# Every stage turns TF32 off (EXACTNESS_FP32=1 in the worker, NVIDIA_TF32_OVERRIDE=0 for
+# cuBLAS, JAX_DEFAULT_MATMUL_PRECISION=highest): with TF32 the ranks' and the reference's sums
+# differ by ~1e-3 relative on Ampere/Hopper.
+set -u
+export PYTHONUNBUFFERED=1 EXACTNESS_FP32=1 NVIDIA_TF32_OVERRIDE=0 \
+       JAX_DEFAULT_MATMUL_PRECISION=highest TF_CPP_MIN_LOG_LEVEL=2
+[ -d /tmp/tfgpu/root/site/tensorflow ] || bash /tmp/tfgpu/setup.sh || exit 1
+. benchmarks/gpu_setup.sh || exit 1
+. /tmp/tfgpu/env.sh
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+date -u
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+nvidia-smi topo -m | head -4
+python3 -c "import tensorflow as tf, jax, torch, keras; print('tensorflow', tf.__version__, \
+'jax', jax.__version__, 'torch', torch.__version__, 'keras', keras.__version__)" 2>/dev/null
+
+matrix() {  # backend, pytest -k expression, log folder
+  KERAS_BACKEND=$1 timeout "${MATRIX_TIMEOUT:-560}" python3 -m pytest -v -p no:cacheprovider \
+    tests/test_exactness_matrix.py -k "$2" > "$3/matrix_$1.log" 2>&1
+  echo "matrix $1: exit $?"; grep -E "passed|failed|error" "$3/matrix_$1.log" | tail -2
+  grep -E "^(FAILED|ERROR)" "$3/matrix_$1.log" | head -20
+}
+stage_tf_matrix() { matrix tensorflow "two_processes or xla_compatible" "$1"; }
+stage_jax_matrix() { matrix jax "two_processes" "$1"; }
+stage_torch_matrix() { matrix torch "two_processes" "$1"; }
+
+stage_tf_paths() {
+  export KERAS_BACKEND=tensorflow
+  timeout 200 mgpu-train -np 2 examples/keras_digits.py > "$1/digits.log" 2>&1
+  echo "digits -np 2: exit $?"; grep -a "final validation accuracy" "$1/digits.log"
+  timeout 200 mgpu-train -np 2 examples/tensorflow_custom_loop.py > "$1/custom_loop.log" 2>&1
+  echo "tensorflow_custom_loop -np 2: exit $?"; tail -3 "$1/custom_loop.log"
+  timeout 300 python3 -m pytest -v -p no:cacheprovider tests/training/test_sync_batchnorm.py \
+    "tests/test_training.py" -k "sync or compression or wire" > "$1/paths.log" 2>&1
+  echo "sync BN + compression tests: exit $?"; grep -E "passed|failed" "$1/paths.log" | tail -2
+  grep -E "^(FAILED|ERROR)" "$1/paths.log" | head -20
+}
+
+for stage in "$@"; do
+  work=$(mktemp -d); start=$SECONDS
+  echo "=== $stage"
+  "stage_$stage" "$work"
+  echo "=== $stage: $((SECONDS - start)) s"
+  tar -C "$work" -czf "$out/$stage.tgz" . && rm -rf "$work"
+done
+date -u
