@@ -14,10 +14,13 @@
 #                 fp16 / bf16 wire compression (tests/test_training.py -k compression)
 # Every stage turns TF32 off (EXACTNESS_FP32=1 in the worker, NVIDIA_TF32_OVERRIDE=0 for
 # cuBLAS, JAX_DEFAULT_MATMUL_PRECISION=highest): with TF32 the ranks' and the reference's sums
-# differ by ~1e-3 relative on Ampere/Hopper.
+# differ by ~1e-3 relative on Ampere/Hopper; and asks for deterministic kernels (TF's op
+# determinism in the worker, XLA's --xla_gpu_deterministic_ops for JAX): atomics in XLA's GPU
+# scatter-add and reductions made two ranks' weights differ in the last bit (first 2-GPU run).
 set -u
 export PYTHONUNBUFFERED=1 EXACTNESS_FP32=1 NVIDIA_TF32_OVERRIDE=0 \
-       JAX_DEFAULT_MATMUL_PRECISION=highest TF_CPP_MIN_LOG_LEVEL=2
+       JAX_DEFAULT_MATMUL_PRECISION=highest TF_CPP_MIN_LOG_LEVEL=2 \
+       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_deterministic_ops=true"
 [ -d /tmp/tfgpu/root/site/tensorflow ] || bash /tmp/tfgpu/setup.sh || exit 1
 . benchmarks/gpu_setup.sh || exit 1
 . /tmp/tfgpu/env.sh
@@ -35,7 +38,7 @@ matrix() {  # backend, pytest -k expression, log folder
   echo "matrix $1: exit $?"; grep -E "passed|failed|error" "$3/matrix_$1.log" | tail -2
   grep -E "^(FAILED|ERROR)" "$3/matrix_$1.log" | head -20
 }
-stage_tf_matrix() { matrix tensorflow "two_processes or xla_compatible" "$1"; }
+stage_tf_matrix() { matrix tensorflow "${TF_K:-two_processes or xla_compatible}" "$1"; }
 stage_jax_matrix() { matrix jax "two_processes" "$1"; }
 stage_torch_matrix() { matrix torch "two_processes" "$1"; }
 

@@ -32,6 +32,7 @@ value and zeros from everyone else (one CollectiveReduceV2, the cost of an allre
 whatever the number of ranks): values arrive exactly, except that a root's -0.0 arrives as 0.0.
 """
 
+import functools
 import zlib
 from typing import Any, List, Sequence
 
@@ -224,9 +225,16 @@ def gather_static(engine, tensors: Sequence[Any]) -> List[Any]:
     rows = tf.shape(tensors[0], out_type=tf.int64)[0]
     padded, bucket = _bucket(rows)
     rank, size = runtime.state.rank, engine.size
+    xla = _in_xla()
     results = []
     for tensor in tensors:
-        wire, back = _to_wire(tensor, _REDUCIBLE)
+        if tensor.dtype.is_integer and not xla:
+            # TensorFlow's NCCL sum outside XLA takes no integers ("Collective all-reduce does
+            # not support datatype DT_INT32 on DEVICE_GPU"; XLA's does): float64 holds every
+            # index exactly (below 2**53), and x + 0.0 = x
+            wire, back = tf.cast(tensor, tf.float64), functools.partial(tf.cast, dtype=tensor.dtype)
+        else:
+            wire, back = _to_wire(tensor, _REDUCIBLE)
         rest = wire.shape[1:]
         signature = f"static-gather:{wire.dtype.name}:{rest.as_list()}"
         base = _bucket_key_base(engine, f"{signature}:{_position(engine, signature)}")

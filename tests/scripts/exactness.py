@@ -14,9 +14,7 @@ accumulating the ranks' batches one after the other with Keras's gradient_accumu
 ``learning_rate`` (the optimizer's, read after training) under those keys.
 
 Environment (set by the tests or by hand on a GPU machine):
-    EXACTNESS_FP32=1          full float32 matmuls and convolutions: TF32 off in TensorFlow,
-                              JAX and torch (Ampere/Hopper use TF32 by default, which makes the
-                              ranks' and the reference's sums differ by ~1e-3 relative)
+    EXACTNESS_FP32=1          full float32 and deterministic kernels on GPUs (exact_math.py)
     EXACTNESS_STATIC_ONLY=1   TensorFlow: fail if a sparse gradient takes the dynamic gather
                               (the test that the XLA-compatible path is the one that ran)
 """
@@ -32,20 +30,7 @@ import mgpu_launch as mgpu
 mgpu.init()
 import keras  # noqa: E402 - after init, as the README asks
 
-
-def full_float32() -> None:
-    """TF32 off in whichever framework is the backend (EXACTNESS_FP32=1)."""
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
-        import tensorflow as tf
-        tf.config.experimental.enable_tensor_float_32_execution(False)
-    elif backend == "jax":
-        import jax
-        jax.config.update("jax_default_matmul_precision", "highest")
-    elif backend == "torch":
-        import torch
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
+import exact_math  # noqa: E402 - tests/scripts/exact_math.py, beside this worker
 
 
 def forbid_dynamic_gather() -> None:
@@ -58,8 +43,7 @@ def forbid_dynamic_gather() -> None:
     tensorflow_collectives.allgather_rows = refused
 
 
-if os.environ.get("EXACTNESS_FP32") == "1":
-    full_float32()
+exact_math.apply_if_asked(keras.backend.backend())
 if os.environ.get("EXACTNESS_STATIC_ONLY") == "1":
     forbid_dynamic_gather()
 

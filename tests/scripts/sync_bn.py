@@ -25,6 +25,10 @@ import mgpu_launch as mgpu
 mgpu.init()
 import keras  # noqa: E402 - after init, as the README asks
 
+import exact_math  # noqa: E402 - tests/scripts/exact_math.py: TF32 off on GPU sessions
+
+exact_math.apply_if_asked(keras.backend.backend())
+
 out_dir = sys.argv[1]
 rank, size = mgpu.rank(), mgpu.size()
 BACKEND = keras.backend.backend()

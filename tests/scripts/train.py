@@ -22,15 +22,9 @@ import mgpu_launch as mgpu
 mgpu.init()
 import keras  # noqa: E402 - after init, as the README asks
 
-if os.environ.get("NVIDIA_TF32_OVERRIDE") == "0":
-    # The GPU session's exactness runs (benchmarks/tf_gpu/session.sh): the variable only
-    # reaches cuBLAS, while XLA's own GEMMs use TF32 unless the backend is told too.
-    if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
-        tf.config.experimental.enable_tensor_float_32_execution(False)
-    elif keras.backend.backend() == "jax":
-        import jax
-        jax.config.update("jax_default_matmul_precision", "highest")
+import exact_math  # noqa: E402 - tests/scripts/exact_math.py: TF32 off on GPU sessions
+
+exact_math.apply_if_asked(keras.backend.backend())
 
 config, out_dir = json.loads(sys.argv[1]), sys.argv[2]
 rank, size = mgpu.rank(), mgpu.size()
