@@ -1,5 +1,6 @@
 """mgpu-bench end to end on CPU processes (the tool's own pipeline, tiny model), and its errors."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -7,6 +8,8 @@ import sys
 import pytest
 
 from conftest import BACKEND, ROOT, assert_ok, explain, job_env, python_env, requires_mpirun
+
+from mgpu_launch.bench.models import MODELS
 
 
 def bench(*argv, timeout=600, job=True):
@@ -50,6 +53,10 @@ def test_cpu_run_writes_the_table_the_json_and_the_plot(tmp_path, backend):
     (["--cpu", "--native"], "the native reference is torchvision ResNet-50 on GPUs"),
     (["--gpus", "1,2,64"], "asked for 64 GPUs, but this machine shows"),
     (["--cpu", "--cuda-graph", "0,on"], "unknown on; expected one or more of: 0, 1"),
+    (["--cpu", "--data-format", "channels_last,nchw"],
+     "--data-format 'channels_last,nchw': unknown nchw; expected one or more of: "
+     "channels_last, channels_first"),
+    (["--cpu", "--data-format", ","], "--data-format ',': expected at least one value"),
 ])
 def test_bad_arguments_exit_2_and_say_why(argv, message):
     result = bench(*argv, timeout=60, job=False)
@@ -86,3 +93,60 @@ def test_profile_gives_every_rank_its_breakdown_and_uint8_pixels_feed(tmp_path, 
             assert rank["compute_ms"] > 0 and "comm_ms" in rank
     assert min(rank["wait_ms"] for rank in profile) < 1.0  # someone is the last to arrive
     assert "Where the step time goes" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.job
+@requires_mpirun
+@pytest.mark.skipif(BACKEND != "tensorflow" or importlib.util.find_spec("tensorflow") is None,
+                    reason="the mirrored row is Keras on TensorFlow (runs with the tensorflow "
+                           "pass of the suite, and needs tensorflow installed)")
+def test_mirrored_row_runs_one_process_beside_the_tensorflow_row(tmp_path):
+    result = assert_ok(bench("--cpu", "--gpus", "1,2", "--model", "mlp-tiny", "--steps", "5",
+                             "--backend", "tensorflow,mirrored", "--data", "host,device",
+                             "--out", str(tmp_path)))
+    # on CPU MirroredStrategy has one device: the 2-replica job is skipped, and says why
+    assert "skipped mirrored mlp-tiny float32 on 2 processes: MirroredStrategy on CPU" in \
+        result.stdout, explain(result)
+    document = json.loads((tmp_path / "results.json").read_text())
+    assert document["header"]["skipped"] == ["mirrored-mlp-tiny-float32-np2"]
+    assert document["header"]["versions"]["mirrored"]["tensorflow"]
+    rows = document["rows"]
+    assert [(r["backend"], r["gpus"], r["data"]) for r in rows] == [
+        ("tensorflow", 1, "host"), ("tensorflow", 1, "device"),
+        ("tensorflow", 2, "host"), ("tensorflow", 2, "device"),
+        ("mirrored", 1, "host"), ("mirrored", 1, "device")]
+    tensorflow, mirrored = rows[0], rows[4]
+    for row in rows[4:]:
+        assert row["img_per_sec"] > 0 and row["speedup"] == 1.0 and row["efficiency"] == 1.0
+        assert row["replicas"] == 1 and row["processes"] == 1
+        assert row["strategy"] == "MirroredStrategy" and row["devices"] == ["/cpu:0"]
+    for key in ("model", "precision", "batch_per_gpu", "params", "data_format"):
+        assert mirrored[key] == tensorflow[key], key
+    assert "Keras + tf.distribute.MirroredStrategy mlp-tiny float32" in result.stdout
+    assert "| mirrored | mlp-tiny | float32 |" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.job
+@requires_mpirun
+def test_each_data_format_is_its_own_row_set_in_the_worker(tmp_path, backend):
+    result = assert_ok(bench("--cpu", "--gpus", "1", "--model", "mlp-tiny", "--steps", "5",
+                             "--backend", backend, "--data", "host",
+                             "--data-format", "channels_last,channels_first",
+                             "--out", str(tmp_path)))
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    # data_format is what keras.config.image_data_format() said inside the worker
+    assert [(r["data_format"], r["gpus"]) for r in rows] == [("channels_last", 1),
+                                                             ("channels_first", 1)]
+    assert all(r["img_per_sec"] > 0 and r["speedup"] == 1.0 for r in rows)
+    for data_format in ("channels_last", "channels_first"):
+        assert f"mlp-tiny float32 {data_format} (host" in result.stdout, explain(result)
+    markdown = (tmp_path / "results.md").read_text()
+    assert "| data format |" in markdown and "| channels_first |" in markdown
+    assert (tmp_path / "logs" / f"{backend}-mlp-tiny-float32-channels_first-np1.json").exists()
+
+
+def test_image_models_take_their_input_channels_first_when_asked():
+    assert MODELS["resnet50"].shape("channels_first") == (3, 224, 224)
+    assert MODELS["cifar-cnn"].shape("channels_first") == (3, 32, 32)
+    assert MODELS["resnet50"].shape("channels_last") == (224, 224, 3)
+    assert MODELS["mlp-tiny"].shape("channels_first") == (32,)  # no channels to move

@@ -24,6 +24,13 @@ Input (``--data``; several give several rows from one compiled model):
 
 ``--native`` adds torchvision ResNet-50 + DistributedDataParallel (data on the device) as the
 "what the hardware does without Keras" reference, for ``--model resnet50`` on GPUs.
+``--backend ...,mirrored`` adds Keras 3 + tf.distribute.MirroredStrategy: ONE process over the
+N GPUs the N-process jobs use, same model, batch per GPU, precision, data modes and timing as the
+tensorflow row (``mirrored.py``); with ``--cpu`` it runs at 1 only (one CPU device to mirror).
+
+``--data-format channels_last,channels_first`` runs every job once per image layout
+(``keras.config.set_image_data_format`` before the model is built; the native row keeps its
+tensors in torch.channels_last memory vs contiguous NCHW); one row per format.
 
 Output under ``--out``: ``results.json`` (a header with machine, devices, versions, command,
 date, method; a list of rows), ``results.md`` and ``results.png`` (speedup and efficiency vs
@@ -45,8 +52,9 @@ from typing import Dict, List, Optional
 from mgpu_launcher import devices
 from mgpu_launch.bench import report
 from mgpu_launch.bench.models import MODELS
+from mgpu_launch.bench.worker import DATA_FORMATS
 
-BACKENDS = ("tensorflow", "jax", "torch", "native")
+BACKENDS = ("tensorflow", "jax", "torch", "native", "mirrored")
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 DATA_MODES = ("device", "host", "host-uint8", "numpy")
 
@@ -65,8 +73,9 @@ def get_parser() -> argparse.ArgumentParser:
     add("--model", default="resnet50",
         help=f"comma-separated, of: {', '.join(MODELS)} (default: %(default)s)")
     add("--backend", default=os.environ.get("KERAS_BACKEND", "tensorflow"),
-        help="comma-separated Keras backends, and/or native (the reference, see --native; "
-             "default: KERAS_BACKEND, else tensorflow)")
+        help="comma-separated Keras backends, and/or native (the reference, see --native) "
+             "and mirrored (Keras-TF + tf.distribute.MirroredStrategy, one process over the "
+             "same GPUs); default: KERAS_BACKEND, else tensorflow")
     add("--precision", default="float32",
         help=f"comma-separated Keras dtype policies, of: {', '.join(PRECISIONS)}")
     add("--gpus", default="1,2", help="process counts, comma-separated (default: %(default)s)")
@@ -76,6 +85,9 @@ def get_parser() -> argparse.ArgumentParser:
     add("--window", type=int, default=5, help="steps per timing window (default: %(default)s)")
     add("--data", default="host",
         help=f"comma-separated input modes, of: {', '.join(DATA_MODES)}")
+    add("--data-format", default="channels_last",
+        help=f"comma-separated Keras image data formats, of: {', '.join(DATA_FORMATS)}; one "
+             f"row each (default: %(default)s)")
     add("--prefetch", default="2",
         help="comma-separated MGPU_PREFETCH depths (0 = Keras's own feeding; default: 2)")
     add("--cuda-graph", default="0",
@@ -120,6 +132,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.precisions = _split(parser, "--precision", args.precision, PRECISIONS)
     args.gpu_counts = sorted(set(_split(parser, "--gpus", args.gpus, kind=int)))
     args.data_modes = _split(parser, "--data", args.data, DATA_MODES)
+    args.data_formats = _split(parser, "--data-format", args.data_format, DATA_FORMATS)
     args.prefetch_depths = _split(parser, "--prefetch", args.prefetch, kind=int)
     args.cuda_graphs = _split(parser, "--cuda-graph", args.cuda_graph, ("0", "1"))
     if min(args.gpu_counts) < 1 or min(args.prefetch_depths) < 0:
@@ -146,9 +159,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _job(args, backend: str, model: str, precision: str, gpus: int, result: str) -> List[str]:
+def _job(args, backend: str, model: str, precision: str, data_format: str, gpus: int,
+         result: str) -> List[str]:
     worker = ["-m", "mgpu_launch.bench.worker", "--result", result, "--model", model,
-              "--precision", precision, "--steps", str(args.steps),
+              "--precision", precision, "--data-format", data_format, "--steps", str(args.steps),
               "--warmup-steps", str(args.warmup_steps), "--window", str(args.window),
               "--data", ",".join(args.data_modes),
               "--prefetch", ",".join(map(str, args.prefetch_depths)),
@@ -161,13 +175,20 @@ def _job(args, backend: str, model: str, precision: str, gpus: int, result: str)
         worker += ["--compression", args.compression]
     if backend == "native":
         worker[1] = "mgpu_launch.bench.native"
+    if backend == "mirrored":  # one process, not a launcher job: it replicates over N GPUs
+        worker[1] = "mgpu_launch.bench.mirrored"
+        return [sys.executable] + worker + ["--gpus", str(gpus)]
     return [sys.executable, "-m", "mgpu_launcher", "-np", str(gpus)] + worker
 
 
-def _environment(args, backend: str) -> Dict[str, str]:
+def _environment(args, backend: str, gpus: int) -> Dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2")
     if backend == "native":
         env["MGPU_ENGINE"] = "none"
+    elif backend == "mirrored":
+        env["KERAS_BACKEND"] = "tensorflow"
+        if not args.cpu:  # the GPUs the N-process job's ranks are pinned to: the first N
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(devices.visible_gpus()[:gpus])
     else:
         env["KERAS_BACKEND"] = backend
     if args.cpu:
@@ -198,27 +219,53 @@ def _run_job(command, env, log_path: str, timeout: float) -> int:
 
 
 def plan(args) -> List[tuple]:
-    """Every job of the invocation: (backend, model, precision, gpus), in run order."""
-    return [(backend, model, precision, gpus) for model in args.models
+    """Every job of the invocation: (backend, model, precision, data format, gpus), in run
+    order, including those :func:`skip_reason` leaves out."""
+    return [(backend, model, precision, data_format, gpus) for model in args.models
             for backend in args.backends for precision in args.precisions
-            for gpus in args.gpu_counts]
+            for data_format in args.data_formats for gpus in args.gpu_counts]
+
+
+def skip_reason(args, backend: str, gpus: int) -> Optional[str]:
+    """Why a planned job cannot run here (None when it can)."""
+    if backend == "mirrored" and args.cpu and gpus > 1:
+        return ("MirroredStrategy on CPU has one device to mirror over (--cpu hides the GPUs), "
+                "so the mirrored row runs only at 1; run without --cpu on a machine with "
+                f"{gpus} GPUs")
+    return None
+
+
+def job_label(backend: str, model: str, precision: str, data_format: str, gpus: int) -> str:
+    """The job's name in logs/ and the header (the default channels_last is not spelled out)."""
+    layout = "" if data_format == "channels_last" else f"-{data_format}"
+    return f"{backend}-{model}-{precision}{layout}-np{gpus}"
 
 
 def run_all(args) -> int:
     """Run every job, then write the JSON, markdown and plot. Returns the exit status."""
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
-    jobs, rows, failed, workers = plan(args), [], [], {}
+    jobs, rows, failed, workers, args.skipped = [], [], [], {}, []
+    for job in plan(args):
+        reason = skip_reason(args, job[0], job[-1])
+        if reason:
+            args.skipped.append(job_label(*job))
+            layout = "" if job[3] == "channels_last" else f" {job[3]}"
+            print(f"skipped {job[0]} {job[1]} {job[2]}{layout} on {job[4]} processes: {reason}",
+                  flush=True)
+        else:
+            jobs.append(job)
     started_all = time.monotonic()
-    for number, (backend, model, precision, gpus) in enumerate(jobs, 1):
-        label = f"{backend}-{model}-{precision}-np{gpus}"
+    for number, (backend, model, precision, data_format, gpus) in enumerate(jobs, 1):
+        label = job_label(backend, model, precision, data_format, gpus)
         result = os.path.join(args.out, "logs", f"{label}.json")
         log = os.path.join(args.out, "logs", f"{label}.log")
-        print(f"[{number}/{len(jobs)}] {backend} {model} {precision} on {gpus} "
+        layout = "" if data_format == "channels_last" else f" {data_format}"
+        print(f"[{number}/{len(jobs)}] {backend} {model} {precision}{layout} on {gpus} "
               f"{'process' if args.cpu else 'GPU'}{'es' if args.cpu and gpus > 1 else ''}"
               f"{'' if args.cpu or gpus == 1 else 's'} ...", flush=True)
         started = time.monotonic()
-        status = _run_job(_job(args, backend, model, precision, gpus, result),
-                          _environment(args, backend), log, args.timeout)
+        status = _run_job(_job(args, backend, model, precision, data_format, gpus, result),
+                          _environment(args, backend, gpus), log, args.timeout)
         if status != 0 or not os.path.exists(result):
             failed.append(label)
             print(f"    FAILED (exit {status}) after {time.monotonic() - started:.0f} s; the "
@@ -232,7 +279,7 @@ def run_all(args) -> int:
                 replayed = (row.get("cuda_graph_steps") or {}).get("replayed", 0)
                 shown += "+cudagraph" if replayed else "+cudagraph-fell-back"
             rows.append(dict(row, backend=shown, precision=precision, gpus=gpus))
-            print(f"    {shown} {row['data']}, prefetch {row['prefetch']}: "
+            print(f"    {shown} {row['data']}{layout}, prefetch {row['prefetch']}: "
                   f"{row['img_per_sec']:.0f} img/s", flush=True)
         print(f"    done in {time.monotonic() - started:.0f} s", flush=True)
         if number < len(jobs):  # keep what is measured if the invocation is cut short
@@ -276,7 +323,11 @@ def make_header(args, workers: Dict[str, dict], seconds: float) -> dict:
                    f"{args.steps // args.window} windows of {args.window} steps after "
                    f"{args.warmup_steps} warm-up steps (loss read back per window); img/s "
                    f"summed over ranks; speedup and efficiency against 1 process of the same "
-                   f"invocation"),
+                   f"invocation" + (
+                       "; mirrored: one process, tf.distribute.MirroredStrategy over the first "
+                       "N GPUs (the CPU at 1 with --cpu), global batch N x batch per GPU, Keras's "
+                       "default jit_compile" if "mirrored" in args.backends else "")),
+        "skipped": getattr(args, "skipped", []),
         "seconds": round(seconds),
     }
 

@@ -3,8 +3,10 @@
     MGPU_ENGINE=none mgpu-train -np 2 -m mgpu_launch.bench.native --result r.json \\
         --precision mixed_bfloat16
 
-No Keras: what the GPUs do with a textbook torch loop. channels_last, one random batch resident
-on the device, SGD momentum 0.9; the Keras policy names map to autocast (bfloat16 / float16
+No Keras: what the GPUs do with a textbook torch loop. ``--data-format channels_last`` (the
+default) keeps the model and the batch in ``torch.channels_last`` memory format (NHWC in memory),
+``channels_first`` in contiguous NCHW; torch's logical shape is NCHW either way. One random batch
+resident on the device, SGD momentum 0.9; the Keras policy names map to autocast (bfloat16 / float16
 with a GradScaler) or plain float32. mgpu-launch only starts the processes and shares the
 rendezvous address. Timing and the result file are the Keras worker's (``worker.py``).
 """
@@ -36,17 +38,19 @@ def main(argv=None) -> None:
         dist.init_process_group("nccl", init_method=f"tcp://{address}", rank=mgpu.rank(),
                                 world_size=mgpu.size(), device_id=device,
                                 timeout=datetime.timedelta(minutes=10))
-    model = torchvision.models.resnet50().to(device, memory_format=torch.channels_last)
+    layout = {"channels_last": torch.channels_last,
+              "channels_first": torch.contiguous_format}[args.data_format]
+    model = torchvision.models.resnet50().to(device, memory_format=layout)
     if mgpu.size() > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0125 * mgpu.size(), momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
-    images = torch.randn(batch, 3, 224, 224, device=device).to(memory_format=torch.channels_last)
+    images = torch.randn(batch, 3, 224, 224, device=device).to(memory_format=layout)
     labels = torch.randint(0, 1000, (batch,), device=device)
     half = {"mixed_bfloat16": torch.bfloat16, "mixed_float16": torch.float16}.get(args.precision)
     scaler = torch.amp.GradScaler("cuda", enabled=half is torch.float16)
     total = args.warmup_steps + args.steps
-    progress(f"native torchvision resnet50 {args.precision}: {total} steps")
+    progress(f"native torchvision resnet50 {args.precision} {args.data_format}: {total} steps")
 
     stamps = []
     for step in range(total):
@@ -65,6 +69,7 @@ def main(argv=None) -> None:
     progress(f"native: {sum(per_rank):.0f} img/s")
     if mgpu.is_chief():
         row = {"model": "resnet50", "data": "device", "prefetch": None, "batch_per_gpu": batch,
+               "data_format": args.data_format,
                "params": sum(p.numel() for p in model.parameters()),
                "img_per_sec": round(sum(per_rank), 1),
                "per_rank_img_per_sec": [round(r, 1) for r in per_rank]}

@@ -49,19 +49,21 @@ def make_callback(keras, warmup_steps: int):
     return StepClock()
 
 
-def breakdown(steps: List[tuple]) -> List[Dict[str, float]]:
+def breakdown(steps: List[tuple], gather=None) -> List[Dict[str, float]]:
     """Per rank medians (ms) of input, wait and step time; collective over every rank.
 
     Args:
         steps: this rank's ``(dispatch, finish, gap)`` per profiled step (same count on every
             rank: the steps of one ``fit``).
+        gather: every rank's `steps` from this one's, in rank order (default
+            ``mgpu.allgather_object``; the one-process mirrored row passes ``lambda s: [s]``).
 
     Returns:
         One dict per rank, in rank order: ``input_ms``, ``wait_ms``, ``step_ms`` and
         ``own_ms`` (dispatch to finish of this rank alone: the compute time when the step has
         no collective, whose ranks then drift apart).
     """
-    everyone = mgpu.allgather_object(steps)
+    everyone = (gather or mgpu.allgather_object)(steps)
     count = min(len(s) for s in everyone)
     last = [max(rank[i][0] for rank in everyone) for i in range(count)]  # the last to dispatch
     result = []

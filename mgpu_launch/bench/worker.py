@@ -20,8 +20,13 @@ from mgpu_launch.bench import profile
 from mgpu_launch.bench.models import MODELS
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+DATA_FORMATS = ("channels_last", "channels_first")
+
+
+def get_parser(description: str = __doc__.split("\n\n")[0]) -> argparse.ArgumentParser:
+    """The options every mgpu-bench rank takes (the driver passes them; native and mirrored
+    read the same ones)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--result", required=True)
     parser.add_argument("--model", choices=sorted(MODELS), required=True)
     parser.add_argument("--precision", default="float32")
@@ -35,12 +40,54 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"])
     parser.add_argument("--cuda-graph", default="0",
                         help="torch: comma-separated MGPU_TORCH_CUDA_GRAPH values (0, 1)")
-    return parser.parse_args(argv)
+    parser.add_argument("--data-format", default="channels_last", choices=DATA_FORMATS,
+                        help="keras.config.set_image_data_format before the model is built")
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return get_parser().parse_args(argv)
 
 
 def progress(message: str) -> None:
     if mgpu.is_chief():
         print(f"[mgpu-bench] {message}", flush=True)
+
+
+def synthetic_batches(np, spec, shape, batch: int, seed: int) -> dict:
+    """Four random (x, y) batches of `shape` per input mode: ``host`` float32 and
+    ``host-uint8`` pixels (what image pipelines ship: a quarter of the bytes; the model's float
+    input layer casts them inside the compiled step, on the device)."""
+    rng = np.random.default_rng(seed)
+    host = [(rng.random((batch,) + tuple(shape), dtype=np.float32),
+             rng.integers(0, spec.classes, (batch,)).astype("int32")) for _ in range(4)]
+    return {"host": host, "host-uint8": [((x * 255).astype(np.uint8), y) for x, y in host]}
+
+
+def make_window_timer(keras, args, total: int, report=progress):
+    """The throughput clock of every Keras row: the loss is read back (waiting for the device)
+    when the warm-up ends and every ``args.window`` steps after it; ``.stamps`` are the times."""
+
+    class WindowTimer(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.stamps = []
+
+        def on_train_batch_end(self, step, logs=None):
+            done = step + 1 - args.warmup_steps  # windows start when the warm-up ends
+            if done >= 0 and done % args.window == 0:
+                float(logs["loss"])  # waits for the device
+                self.stamps.append(time.perf_counter())
+                if done == 0 or step + 1 == total:
+                    report(f"  step {step + 1}/{total}")
+
+    return WindowTimer()
+
+
+def median_rate(stamps, window: int, samples_per_step: int) -> float:
+    """Samples per second of the median window between consecutive `stamps`."""
+    return statistics.median(window * samples_per_step / (t1 - t0)
+                             for t0, t1 in zip(stamps, stamps[1:]))
 
 
 def main(argv=None) -> None:
@@ -52,18 +99,16 @@ def main(argv=None) -> None:
     spec = MODELS[args.model]
     batch = args.batch_per_gpu or spec.batch_per_gpu
     keras.mixed_precision.set_global_policy(args.precision)
+    keras.config.set_image_data_format(args.data_format)  # before any layer is built
     started = time.monotonic()
-    model = spec.build(keras)
+    model = spec.build(keras, spec.shape(args.data_format))
     model.compile(optimizer=mgpu.DistributedOptimizer(
         keras.optimizers.SGD(mgpu.scale_lr(0.0125), momentum=0.9),
         compression=getattr(mgpu.Compression, args.compression)),
         loss="sparse_categorical_crossentropy")
-    rng = np.random.default_rng(mgpu.rank())
-    host = [(rng.random((batch,) + spec.input_shape, dtype=np.float32),
-             rng.integers(0, spec.classes, (batch,)).astype("int32")) for _ in range(4)]
-    # what image pipelines ship: uint8 pixels, a quarter of the bytes; the model's float input
-    # layer casts them inside the compiled step, on the device
-    host_uint8 = [((x * 255).astype(np.uint8), y) for x, y in host]
+    shape = spec.shape(args.data_format)
+    synthetic = synthetic_batches(np, spec, shape, batch, seed=mgpu.rank())
+    host, host_uint8 = synthetic["host"], synthetic["host-uint8"]
     total = args.warmup_steps + args.steps
     progress(f"{args.model} built ({model.count_params() / 1e6:.2f}M parameters) in "
              f"{time.monotonic() - started:.0f} s; {total} steps per input mode, batch "
@@ -81,22 +126,9 @@ def main(argv=None) -> None:
         def __getitem__(self, index):
             return self.batches[index % len(self.batches)]
 
-    class WindowTimer(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.stamps = []
-
-        def on_train_batch_end(self, step, logs=None):
-            done = step + 1 - args.warmup_steps  # windows start when the warm-up ends
-            if done >= 0 and done % args.window == 0:
-                float(logs["loss"])  # waits for the device
-                self.stamps.append(time.perf_counter())
-                if done == 0 or step + 1 == total:
-                    progress(f"  step {step + 1}/{total}")
-
     def fit(mode: str, timer) -> None:
         if mode == "numpy":
-            x = np.empty((total * batch,) + spec.input_shape, np.float32)
+            x = np.empty((total * batch,) + shape, np.float32)
             y = np.empty((total * batch,), np.int32)
             for index in range(total):
                 x[index * batch:(index + 1) * batch], y[index * batch:(index + 1) * batch] = \
@@ -107,11 +139,10 @@ def main(argv=None) -> None:
             model.fit(Batches(mode), epochs=1, verbose=0, callbacks=[timer])
 
     def rate(mode: str) -> float:
-        timer = WindowTimer()
+        timer = make_window_timer(keras, args, total)
         step_timer.reset()
         fit(mode, timer)
-        return statistics.median(args.window * batch / (t1 - t0)
-                                 for t0, t1 in zip(timer.stamps, timer.stamps[1:]))
+        return median_rate(timer.stamps, args.window, batch)
 
     def profiled(mode: str) -> dict:
         """Per rank input / wait / step ms (and compute ms where the allreduce can be left out)."""
@@ -145,6 +176,7 @@ def main(argv=None) -> None:
                 host_ms, device_ms = step_timer.medians()
                 rows.append({"model": args.model, "data": mode, "prefetch": depth,
                              "compression": args.compression,
+                             "data_format": keras.config.image_data_format(),
                              "batch_per_gpu": batch, "params": model.count_params(),
                              "img_per_sec": round(sum(per_rank), 1),
                              "per_rank_img_per_sec": [round(r, 1) for r in per_rank],
