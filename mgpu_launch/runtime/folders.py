@@ -163,12 +163,13 @@ def private_folder(path: str, what: str = "folder", create: bool = True) -> str:
     return real
 
 
-def create_new(path: str, data: bytes = b"") -> None:
-    """Write a new file (mode 0600); fails on anything already there, a symbolic link included.
+def create_new(path: str, data: bytes = b"", mode: int = 0o600) -> None:
+    """Write a new file (`mode`, less the umask); fails on anything already there, a symbolic
+    link included.
 
     Raises:
         FileExistsError: `path` exists (a file, a folder or a link: nothing is followed).
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    with os.fdopen(os.open(path, flags, 0o600), "wb") as f:
+    with os.fdopen(os.open(path, flags, mode), "wb") as f:
         f.write(data)
