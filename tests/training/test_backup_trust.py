@@ -142,6 +142,11 @@ def test_a_backup_with_a_learning_rate_that_is_not_finite_is_refused(tmp_path):
             self.model.optimizer.learning_rate = math.nan
 
     _fit(_model(), Poison(), _backup(tmp_path / "backup", delete_checkpoint=False))
+    model = _model()
+    before = [w.copy() for w in model.get_weights()]
     with pytest.raises(ValueError, match=r"refused the backup .*epoch-1.weights.h5: the "
                                          r"restored learning rate is nan, expected a finite"):
-        _fit(_model(), _backup(tmp_path / "backup"), epochs=3)
+        _fit(model, _backup(tmp_path / "backup"), epochs=3)
+    assert _learning_rate(model) == pytest.approx(0.1)
+    for got, want in zip(model.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(got, want)

@@ -171,13 +171,19 @@ class BackupAndRestore(keras.callbacks.Callback):
                     state[_EXTRA] = check_extra(state[_EXTRA])
             except ValueError as error:
                 raise epoch_resume.BadBackup(f"{path}: {error}") from None
+            variables = model_state_variables(self.model)
+            before = [keras.ops.convert_to_numpy(v) for v in variables]
             try:
                 self.model.load_weights(path)
+                self._check_learning_rate(path)
+            except epoch_resume.BadBackup:
+                for variable, value in zip(variables, before):
+                    variable.assign(value)  # "nothing of it was used" holds for the rate too
+                raise
             except (OSError, ValueError) as error:
                 warnings.warn(f"BackupAndRestore: cannot read {path} ({error}); trying an "
                               f"older backup", stacklevel=2)
                 continue
-            self._check_learning_rate(path)
             return position, state
         return None
 
