@@ -44,7 +44,6 @@ import keras
 from mgpu_launch import engines, keras_internals, runtime
 from mgpu_launch.runtime import collectives
 from mgpu_launch.training import epoch_resume, patches, resize
-from mgpu_launch.training.callbacks import backup as backup_module
 from mgpu_launch.training.callbacks.backup import BackupAndRestore
 from mgpu_launch.training.callbacks.io import _is_chief
 from mgpu_launch.training.callbacks.sync import model_state_variables
@@ -55,6 +54,7 @@ __all__ = ["KerasState", "CommitStateCallback", "UpdateBatchStateCallback",
 
 STATE_DIR_VARIABLE = "MGPU_ELASTIC_STATE_DIR"
 _DEFAULT_DIR = ".mgpu-elastic-state"
+_EXTRA = "elastic_state"  # the key of KerasState's attributes in the backup's state
 # Names an attribute may not take: what KerasState itself holds or does.
 _RESERVED = frozenset({"model", "optimizer", "backup_dir", "params"})
 # JSON kinds an attribute's restored value must keep (int and float are both numbers).
@@ -125,7 +125,7 @@ class KerasState:
         self._backup.params = self.params  # steps per epoch, for a resume at another size
         try:
             self._backup._save((int(self.epoch), int(self.batch)),
-                               extra={backup_module._EXTRA: self._values()})
+                               extra={_EXTRA: self._values()})
         except TypeError as error:
             raise ValueError(f"KerasState.commit: the attributes {self._values()!r} must be "
                              f"JSON values ({error}); keep numbers, strings, lists and dicts "
@@ -150,11 +150,11 @@ class KerasState:
         """
         if self.optimizer is not None and not self.optimizer.built:
             self.optimizer.build(self.model.trainable_variables)  # the slots a commit fills
-        restored = self._backup._restore_everywhere(self._checked)
+        restored = self._backup._restore_everywhere({_EXTRA: self._checked})
         if restored is None:
             return False
         (epochs, batches), saved = restored
-        for name, value in saved.pop(backup_module._EXTRA, {}).items():
+        for name, value in saved.pop(_EXTRA, {}).items():
             setattr(self, name, value)  # only declared names: _checked refused any other
         self.epoch, self.batch = epochs, batches
         self._resume = (epochs, batches, saved)

@@ -21,6 +21,7 @@ overwrites. A folder is therefore private when
 This module imports no deep-learning framework.
 """
 
+import errno
 import os
 import stat
 from typing import List, Optional, Tuple
@@ -68,8 +69,6 @@ def _component_problem(path: str, info: os.stat_result) -> Optional[str]:
 
 def _leaf_problem(info: os.stat_result) -> Optional[str]:
     mode = stat.S_IMODE(info.st_mode)
-    if not stat.S_ISDIR(info.st_mode):
-        return "exists and is not a folder"
     if info.st_uid != os.geteuid():
         return f"belongs to another user ({_owner(info.st_uid)})"
     if mode & (stat.S_IWGRP | stat.S_IWOTH):
@@ -111,9 +110,10 @@ def _resolve(path: str) -> Tuple[List[str], Optional[str]]:
             continue
         current = candidate
         walked.append(current)
+        if pending and not stat.S_ISDIR(info.st_mode):
+            raise NotADirectoryError(errno.ENOTDIR, "Not a directory", current)
         if pending:
-            problem = (_component_problem(current, info) if stat.S_ISDIR(info.st_mode)
-                       else f"{current!r} on its path is not a folder")
+            problem = _component_problem(current, info)
     return walked, problem
 
 
@@ -132,6 +132,8 @@ def private_folder(path: str, what: str = "folder", create: bool = True) -> str:
         UnsafeFolder: (a PermissionError) another user could change the folder or its path;
             the message names the folder, what is wrong and how to fix it.
         FileNotFoundError: it does not exist and `create` is False.
+        FileExistsError: it exists and is not a folder.
+        NotADirectoryError: something on its path is a file, not a folder.
 
     Example:
         >>> folder = private_folder("/scratch/job-42/backup", "backup_dir")
@@ -154,6 +156,8 @@ def private_folder(path: str, what: str = "folder", create: bool = True) -> str:
         walked, problem = _resolve(absolute)
         real = os.path.realpath(absolute)
     at = f" (that is {real!r})" if real != absolute else ""
+    if problem is None and not os.path.isdir(real):
+        raise FileExistsError(errno.EEXIST, f"{what} {path!r}{at} exists and is not a folder")
     if problem is not None:
         problem = f"is not private: {problem}"
     else:

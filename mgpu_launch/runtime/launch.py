@@ -222,9 +222,10 @@ def own_folder(work_dir: str) -> str:
     """
     try:
         folder = folders.private_folder(work_dir, "work_dir")
-    except folders.UnsafeFolder as error:
+    except (folders.UnsafeFolder, FileExistsError, NotADirectoryError) as error:
+        problem = getattr(error, "problem", None) or str(error)
         raise PermissionError(
-            f"mgpu_launch.run: {error.problem}, so another user could swap the function, its "
+            f"mgpu_launch.run: {problem}, so another user could swap the function, its "
             f"arguments or its results. Fix: give a work_dir that does not exist yet in a "
             f"folder of yours (mgpu_launch.run creates it, mode 0700), or leave work_dir out "
             f"(a private temporary folder).") from None

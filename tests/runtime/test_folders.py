@@ -66,8 +66,10 @@ def test_a_folder_its_group_may_write_in_is_refused_and_ones_own_link_is_followe
     with pytest.raises(FileNotFoundError, match="does not exist"):
         folders.private_folder(str(tmp_path / "absent"), create=False)
     (tmp_path / "file").write_text("")
-    with pytest.raises(folders.UnsafeFolder, match="exists and is not a folder"):
+    with pytest.raises(FileExistsError, match="exists and is not a folder"):
         folders.private_folder(str(tmp_path / "file"))
+    with pytest.raises(NotADirectoryError, match="Not a directory"):
+        folders.private_folder(str(tmp_path / "file" / "backup"))
 
 
 def test_create_new_never_writes_through_a_link(tmp_path):

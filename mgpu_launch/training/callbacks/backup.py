@@ -10,7 +10,7 @@ import shutil
 import stat
 import tempfile
 import warnings
-from typing import Callable, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import keras
 
@@ -27,8 +27,6 @@ _BACKUP = re.compile(r"^epoch-(\d+)(?:-batch-(\d+))?\.weights\.h5$")
 _PARTIAL = re.compile(r"^\..*\.partial-\d+\.weights\.h5$")
 # The HDF5 root attribute with epoch_resume.backup_state (the writer's size, data position).
 _STATE = "mgpu_backup_state"
-# The key of mgpu_launch.elastic.KerasState's attributes in that state.
-_EXTRA = "elastic_state"
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -140,12 +138,13 @@ class BackupAndRestore(keras.callbacks.Callback):
                 found.append((position, path))
         return sorted(found, reverse=True)
 
-    def _restore_on_chief(self, check_extra: Optional[Callable[[object], object]] = None):
+    def _restore_on_chief(self, extras: Optional[Dict[str, Callable[[Any], Any]]] = None):
         """Load the newest readable backup; ((epochs done, batches done), its state), or None.
 
         Args:
-            check_extra: checks the state's ``elastic_state`` entry (KerasState's attributes)
-                and returns it; None: a backup with that entry is refused.
+            extras: for each further key the caller records in a backup's state (KerasState's
+                attributes), the function that checks its value and returns it (raising
+                ValueError for a bad one); a backup with any other key is refused.
 
         Raises:
             folders.UnsafeFolder: the folder is not this user's alone.
@@ -166,9 +165,10 @@ class BackupAndRestore(keras.callbacks.Callback):
                               f"older backup", stacklevel=2)
                 continue
             try:
-                state = epoch_resume.checked_state(text, (_EXTRA,) if check_extra else ())
-                if _EXTRA in state:
-                    state[_EXTRA] = check_extra(state[_EXTRA])
+                state = epoch_resume.checked_state(text, tuple(extras or ()))
+                for key, check in (extras or {}).items():
+                    if key in state:
+                        state[key] = check(state[key])
             except ValueError as error:
                 raise epoch_resume.BadBackup(f"{path}: {error}") from None
             variables = model_state_variables(self.model)
@@ -199,13 +199,13 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"{path}: the restored learning rate{' multiplier' * (kind != 'value')} is "
                 f"{rate!r}, expected a finite number >= 0")
 
-    def _restore_everywhere(self, check_extra=None):
+    def _restore_everywhere(self, extras=None):
         """Collective: rank 0's :meth:`_restore_on_chief`, its model state and outcome on
         every rank; a refusal raises the same error on every rank (none waits for rank 0)."""
         outcome = None
         if _is_chief():
             try:
-                outcome = ("restored", self._restore_on_chief(check_extra))
+                outcome = ("restored", self._restore_on_chief(extras))
             except folders.UnsafeFolder as error:
                 outcome = ("unsafe", str(error))
             except epoch_resume.BadBackup as error:
@@ -241,6 +241,8 @@ class BackupAndRestore(keras.callbacks.Callback):
                     pass
             except folders.UnsafeFolder as error:
                 problem = ("unsafe", str(error))
+            except FileExistsError:
+                problem = ("os", "it exists and is not a folder")
             except OSError as error:
                 problem = ("os", f"{type(error).__name__}: {error.strerror or error}")
         if runtime.is_multi_process():
