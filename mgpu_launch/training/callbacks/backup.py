@@ -176,11 +176,13 @@ class BackupAndRestore(keras.callbacks.Callback):
             try:
                 self.model.load_weights(path)
                 self._check_learning_rate(path)
-            except epoch_resume.BadBackup:
-                for variable, value in zip(variables, before):
-                    variable.assign(value)  # "nothing of it was used" holds for the rate too
-                raise
             except (OSError, ValueError) as error:
+                # Nothing of a refused or half-read backup stays: not its rate, not the
+                # variables loaded before the read failed.
+                for variable, value in zip(variables, before):
+                    variable.assign(value)
+                if isinstance(error, epoch_resume.BadBackup):
+                    raise
                 warnings.warn(f"BackupAndRestore: cannot read {path} ({error}); trying an "
                               f"older backup", stacklevel=2)
                 continue
