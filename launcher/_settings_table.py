@@ -234,7 +234,8 @@ SETTINGS: Dict[str, Setting] = _declare(
     _("MGPU_COLLECTIVE_TIMEOUT", "seconds", 0.0, RANKS,
       "TensorFlow: seconds an in-graph collective may wait (0: no limit)", low=0, example="600"),
     _("MGPU_ELASTIC_STATE_DIR", "text", None, RANKS,
-      "hvd.elastic: the folder of `KerasState`'s commits", example="/shared/state",
+      "hvd.elastic: the folder of `KerasState`'s commits (yours alone: docs/security.md)",
+      example="/scratch/job-42/state",
       shown_default="`.mgpu-elastic-state`"),
     # -- set by mgpu-train for its ranks --------------------------------------------------------
     _("MGPU_RANK", "integer", None, INTERNAL, "global rank", low=0, example="0"),

@@ -9,8 +9,10 @@ backend), `job` (starts mgpu-train, mpirun or a rank process), `slow` (over 30 s
 import contextlib
 import importlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from typing import Optional
 
 import pytest
@@ -152,6 +154,35 @@ def launch_ok(*argv, timeout=120, **extra_env):
         >>> result = launch_ok("-np", "2", REPORT, str(tmp_path), KERAS_BACKEND=backend)
     """
     return assert_ok(launch(*argv, timeout=timeout, **extra_env))
+
+
+def as_nobody(script: str) -> None:
+    """Run shell `script` as user nobody (group nogroup, no other groups): another local user.
+
+    Skips the test when this process cannot (not root, no setpriv); fails it when the script
+    fails.
+    """
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to act as another user (nobody)")
+    nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "sh", "-ec"]
+    result = subprocess.run([*nobody, script], capture_output=True, text=True, timeout=30)
+    if result.returncode != 0:
+        probe = subprocess.run([*nobody, "true"], capture_output=True, text=True, timeout=30)
+        if probe.returncode != 0:
+            pytest.skip(f"cannot act as user nobody here: {probe.stderr.strip()}")
+        pytest.fail(f"the script run as nobody failed:\n{script}\n{result.stderr}")
+
+
+@contextlib.contextmanager
+def shared_folder():
+    """A fresh folder in /tmp that every user may create entries in (mode 1777, like /tmp);
+    removed afterwards, with whatever another user left in it."""
+    base = tempfile.mkdtemp(prefix="mgpu-shared-", dir="/tmp")
+    try:
+        os.chmod(base, 0o1777)
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -29,11 +29,15 @@ What differs from Horovod's in-memory rollback (docs/fault-tolerance.md, "The Ho
   (``mgpu.data.shard`` data exactly, across size changes too), so ``UpdateBatchStateCallback``
   does not shorten the epoch's ``steps`` as Horovod's does.
 - Extra attributes (``KerasState(model, epoch=0, best=0.5)``) must be JSON values.
+
+What comes back from the state folder is data (docs/security.md): rank 0 reads it only from a
+folder of its user's alone, and a restore sets only the attributes the state declares, each
+checked against its declared kind; nothing restored names a path mgpu acts on.
 """
 
 import functools
-import shutil
-from typing import Callable, Optional
+import math
+from typing import Any, Callable, Optional
 
 import keras
 
@@ -51,6 +55,11 @@ __all__ = ["KerasState", "CommitStateCallback", "UpdateBatchStateCallback",
 STATE_DIR_VARIABLE = "MGPU_ELASTIC_STATE_DIR"
 _DEFAULT_DIR = ".mgpu-elastic-state"
 _EXTRA = "elastic_state"  # the key of KerasState's attributes in the backup's state
+# Names an attribute may not take: what KerasState itself holds or does.
+_RESERVED = frozenset({"model", "optimizer", "backup_dir", "params"})
+# JSON kinds an attribute's restored value must keep (int and float are both numbers).
+_KINDS = ((bool, "a boolean"), ((int, float), "a number"), (str, "a string"),
+          (list, "a list"), (dict, "a dict"))
 
 
 def _size() -> int:
@@ -67,16 +76,26 @@ class KerasState:
             ``.mgpu-elastic-state`` in the working folder). :func:`run` deletes it when the
             training function returns, so the next job starts afresh.
         **kwargs: attributes committed and restored with the model, e.g. ``epoch=0, batch=0``
-            (JSON values). ``epoch`` and ``batch`` are always there (default 0).
+            (JSON values). ``epoch`` and ``batch`` are always there (default 0). A restore
+            sets only these, each to a value of the kind it was declared with (a number, a
+            string, ...; any JSON value for one declared None); ``epoch`` and ``batch`` are
+            whole numbers >= 0.
 
     Raises:
-        ValueError: an attribute is not a JSON value (found at the first commit).
+        ValueError: an attribute's name is the state's own (``model``, ``backup_dir``, a
+            method, a name starting with ``_``); an attribute is not a JSON value (found at
+            the first commit).
 
     Example:
         >>> state = hvd.elastic.KerasState(model, batch=0, epoch=0)
     """
 
     def __init__(self, model, optimizer=None, backup_dir: Optional[str] = None, **kwargs):
+        taken = sorted(name for name in kwargs if name in _RESERVED or name.startswith("_")
+                       or hasattr(type(self), name))
+        if taken:
+            raise ValueError(f"KerasState: the attribute names {taken} are the state's own; "
+                             f"give your attributes other names (e.g. my_{taken[0]})")
         self.model = model
         self.optimizer = optimizer if optimizer is not None else model.optimizer
         self.backup_dir = backup_dir or settings.text(STATE_DIR_VARIABLE) or _DEFAULT_DIR
@@ -105,7 +124,8 @@ class KerasState:
     def _commit(self, may_stop: bool) -> None:
         self._backup.params = self.params  # steps per epoch, for a resume at another size
         try:
-            self._backup._save((int(self.epoch), int(self.batch)), extra={_EXTRA: self._values()})
+            self._backup._save((int(self.epoch), int(self.batch)),
+                               extra={_EXTRA: self._values()})
         except TypeError as error:
             raise ValueError(f"KerasState.commit: the attributes {self._values()!r} must be "
                              f"JSON values ({error}); keep numbers, strings, lists and dicts "
@@ -130,20 +150,43 @@ class KerasState:
         """
         if self.optimizer is not None and not self.optimizer.built:
             self.optimizer.build(self.model.trainable_variables)  # the slots a commit fills
-        restored = self._backup._restore_on_chief() if _is_chief() else None
-        if runtime.is_multi_process():
-            restored = collectives.broadcast_object(restored)
+        restored = self._backup._restore_everywhere({_EXTRA: self._checked})
         if restored is None:
             return False
         (epochs, batches), saved = restored
         for name, value in saved.pop(_EXTRA, {}).items():
-            setattr(self, name, value)
-            if name not in self._names:
-                self._names.append(name)
+            setattr(self, name, value)  # only declared names: _checked refused any other
         self.epoch, self.batch = epochs, batches
         self._resume = (epochs, batches, saved)
-        self.sync()
         return True
+
+    def _checked(self, restored: Any) -> dict:
+        """The attributes of a commit, checked as data: declared names, declared kinds.
+
+        Raises:
+            ValueError: an unknown name, a value of another kind, a negative or fractional
+                epoch or batch, a non-finite number (the commit is then refused).
+        """
+        if not isinstance(restored, dict):
+            raise ValueError(f"its attributes are a {type(restored).__name__}, not a dict")
+        unknown = sorted(set(restored) - set(self._names))
+        if unknown:
+            raise ValueError(f"it holds attributes this KerasState does not declare: {unknown} "
+                             f"(declared: {self._names})")
+        for name, value in restored.items():
+            declared = getattr(self, name)
+            _check_json(value, name)
+            if name in ("epoch", "batch") and (isinstance(value, bool) or
+                                               not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name}={value!r}, expected a whole number >= 0")
+            for kind, words in _KINDS:
+                if isinstance(declared, kind) and (not isinstance(value, kind) or (
+                        kind != bool and isinstance(value, bool))):
+                    raise ValueError(f"{name}={value!r}, expected {words} as declared "
+                                     f"({declared!r})")
+                if isinstance(declared, kind):
+                    break
+        return restored
 
     def register_reset_callbacks(self, callbacks) -> None:
         """Functions (no arguments) :func:`run` calls after restoring a commit that a job of
@@ -155,13 +198,34 @@ class KerasState:
         return resume
 
 
+def _check_json(value: Any, name: str, depth: int = 0) -> None:
+    """Raise ValueError unless `value` is plain JSON data with finite numbers."""
+    if depth > 32:
+        raise ValueError(f"{name} is nested more than 32 deep")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name}={value!r}, expected a finite number")
+    if isinstance(value, list):
+        for item in value:
+            _check_json(item, name, depth + 1)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_json(item, f"{name}[{key!r}]", depth + 1)
+    elif value is not None and not isinstance(value, (bool, int, float, str)):
+        raise ValueError(f"{name} holds a {type(value).__name__}, not JSON data")
+
+
 def run(func: Callable) -> Callable:
     """Horovod's ``@hvd.elastic.run``: call ``func(state)`` from the last committed state.
 
     Before the call every rank restores the state's last commit (if any; a first run just
     calls `func`) and, when a job of another size wrote it, runs the reset callbacks. When
-    `func` returns, rank 0 deletes the commits. A failure is not retried here: the process
-    exits and mgpu-train starts the job again (``--max-restarts``, elastic options).
+    `func` returns, rank 0 deletes the commits: the folder the state was built with, never
+    one a commit names. A failure is not retried here: the process exits and mgpu-train
+    starts the job again (``--max-restarts``, elastic options).
+
+    Raises:
+        PermissionError: the state folder is not rank 0's user's alone (every rank).
+        ValueError: the last commit fails a check (``epoch_resume.BadBackup``; every rank).
 
     Example:
         >>> @hvd.elastic.run
@@ -175,7 +239,7 @@ def run(func: Callable) -> Callable:
                 callback()
         result = func(state, *args, **kwargs)
         if _is_chief():
-            shutil.rmtree(state.backup_dir, ignore_errors=True)
+            state._backup._delete_folder()
         if runtime.is_multi_process():
             collectives.barrier()  # no rank returns while the commits may still be there
         return result

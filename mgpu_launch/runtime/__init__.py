@@ -5,6 +5,8 @@ topology and the host collectives pays for neither. Its modules, lowest first:
 
     auth            the per-job key and the authenticated framing of every message mgpu reads
                     from a socket (the stall inspector's channel, run()'s results)
+    folders         the check of every folder mgpu writes into and reads back from (run()'s
+                    work folder, backups, the elastic state): yours alone, path included
     rendezvous      where the ranks meet: the job's host address, free ports, bind addresses
     stall_channel   the stall inspector's authenticated line protocol
     stall           the stall inspector: which rank waits where, named when a step stalls

@@ -16,6 +16,9 @@ HMAC of a per-job key); code past this point trusts what it gets and does not ch
   :class:`Rejected`: the caller closes that connection, and nothing else changes.
 * **Signed files** (``mgpu_launch.run``'s pickles): :func:`sign` / :func:`verify`, with a key of
   the call. A file whose HMAC does not match is an error, never unpickled.
+* **Folders** mgpu reads back from or writes into (``run()``'s work folder, backups, the
+  elastic state) pass :func:`mgpu_launch.runtime.folders.private_folder` first: owned by this
+  user, nobody else may write in them or redirect their path.
 
 What it does not give: secrecy (the lines are readable on the wire) or protection from someone
 who can read the ranks' memory or environment (the job's own user, root). See docs/security.md.

@@ -17,9 +17,10 @@ in ``python -c`` (``__main__``), lambdas and closures by value. Plain ``pickle``
 by reference (module and name), so without cloudpickle fn must live in an importable module.
 
 Nobody else can swap what travels (docs/security.md): the caller creates the work folder
-itself (mode 0700), or accepts an existing one only when it is its own and nobody else may
-write in it; every file is created anew (``O_EXCL | O_NOFOLLOW``, mode 0600), so a planted
-symbolic link is never written through; and the payload and each result carry an HMAC under a
+itself (mode 0700), or accepts an existing one only when it is its own, nobody else may write
+in it and nobody else can redirect its path (``runtime.folders.private_folder``); every file
+is created anew (``O_EXCL | O_NOFOLLOW``, mode 0600), so a planted symbolic link is never
+written through; and the payload and each result carry an HMAC under a
 key of this call alone, handed to the ranks in their environment (``MGPU_RUN_KEY``): a file
 whose HMAC does not match is an error, never unpickled.
 
@@ -31,13 +32,12 @@ import os
 import pickle
 import re
 import shutil
-import stat
 import sys
 import tempfile
 import traceback
 from typing import Any, Callable, Dict, Optional, Sequence
 
-from mgpu_launch.runtime import auth
+from mgpu_launch.runtime import auth, folders
 from mgpu_launcher import cli, mpirun, settings, supervisor
 
 PAYLOAD = "payload.pkl"
@@ -133,8 +133,8 @@ def run(fn: Callable, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]]
         all_ranks_output: show every rank's stdout, not only rank 0's.
         work_dir: where the pickles go (default: a temporary folder, removed afterwards).
             Created with mode 0700 when it does not exist; an existing one must be a folder
-            of yours that no other user may write in (else PermissionError). Files of an
-            earlier call there are replaced.
+            of yours that no other user may write in, on a path no other user may change
+            (else PermissionError). Files of an earlier call there are replaced.
 
     Returns:
         What fn returned on rank 0, or the list of every rank's results with `all_ranks`.
@@ -143,7 +143,8 @@ def run(fn: Callable, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]]
         TypeError: fn, args or kwargs cannot be pickled (the message says how to fix it).
         ValueError: np is not a whole number >= 1, or an ``MGPU_*`` variable (here or in `env`)
             has a bad value (mgpu_launcher.settings.SettingError, before anything starts).
-        PermissionError: `work_dir` is not a folder of yours that only you may write in.
+        PermissionError: `work_dir` is not a folder of yours that only you may write in, or
+            another user could redirect its path (a folder or link of theirs on the way).
         RemoteError: a rank failed; the message has its traceback.
         RuntimeError: a result file does not carry this call's HMAC (someone changed it).
 
@@ -165,7 +166,7 @@ def run(fn: Callable, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]]
     folder = tempfile.mkdtemp(prefix="mgpu-run-") if own_dir else own_folder(work_dir)
     key = auth.new_key()
     try:
-        _create(os.path.join(folder, PAYLOAD), auth.sign(key, "payload", payload))
+        folders.create_new(os.path.join(folder, PAYLOAD), auth.sign(key, "payload", payload))
         forward = tuple(f"{name}={value}" for name, value in (env or {}).items())
         forward += (f"{KEY_VARIABLE}={key.hex()}",)  # mpirun gets -x NAME: no value on argv
         config = cli.Config(kind="module", target=__name__, args=(folder,), np=np, hosts=hosts,
@@ -208,67 +209,30 @@ def _failure(folder: str, key: bytes, status: int, console: str) -> RemoteError:
 
 
 def own_folder(work_dir: str) -> str:
-    """`work_dir` as an absolute path, created 0700, or checked to be the caller's alone.
+    """`work_dir` as a real absolute path, created 0700, or checked to be the caller's alone.
 
-    Files an earlier call left there are removed (the folder is ours: nobody else put them).
+    The check is :func:`mgpu_launch.runtime.folders.private_folder`'s (every folder and link
+    on the path too). Files an earlier call left there are removed (the folder is ours:
+    nobody else put them).
 
     Raises:
-        PermissionError: it exists but is a symbolic link or not a folder, belongs to another
-            user, or others may write in it or in its parent (they could swap its files).
+        PermissionError: it is not a folder, belongs to another user, others may write in
+            it, or another user could redirect its path (a folder or link of theirs on the
+            way, or a folder everybody may write in without the sticky bit).
     """
-    folder = os.path.abspath(work_dir)
-    parent = os.path.dirname(folder)
-    os.makedirs(parent, exist_ok=True)
-    problem = _unsafe(parent, "parent folder") if _others_may_swap(parent) else None
-    if problem is None:
-        try:
-            os.mkdir(folder, 0o700)
-            return folder
-        except FileExistsError:
-            problem = _unsafe(folder, "work_dir")
-    if problem:
+    try:
+        folder = folders.private_folder(work_dir, "work_dir")
+    except (folders.UnsafeFolder, FileExistsError, NotADirectoryError) as error:
+        problem = getattr(error, "problem", None) or str(error)
         raise PermissionError(
             f"mgpu_launch.run: {problem}, so another user could swap the function, its "
             f"arguments or its results. Fix: give a work_dir that does not exist yet in a "
             f"folder of yours (mgpu_launch.run creates it, mode 0700), or leave work_dir out "
-            f"(a private temporary folder).")
+            f"(a private temporary folder).") from None
     for entry in os.listdir(folder):
         if _OUR_FILE.match(entry):
             os.remove(os.path.join(folder, entry))
     return folder
-
-
-def _others_may_swap(parent: str) -> bool:
-    """Whether others may rename entries of `parent` (writable by all, no sticky bit)."""
-    mode = os.stat(parent).st_mode
-    return bool(mode & stat.S_IWOTH) and not mode & stat.S_ISVTX
-
-
-def _unsafe(path: str, what: str) -> Optional[str]:
-    """Why `path` (an existing entry) may not hold the call's files, or None when it may."""
-    info = os.lstat(path)
-    mode = stat.S_IMODE(info.st_mode)
-    if what == "parent folder":
-        return f"the parent folder {path!r} is writable by every user (mode {mode:04o}, no " \
-               f"sticky bit)"
-    if stat.S_ISLNK(info.st_mode):
-        return f"work_dir {path!r} is a symbolic link (to {os.readlink(path)!r})"
-    if not stat.S_ISDIR(info.st_mode):
-        return f"work_dir {path!r} exists and is not a folder"
-    if info.st_uid != os.geteuid():
-        return (f"work_dir {path!r} belongs to another user (uid {info.st_uid}; you are "
-                f"uid {os.geteuid()})")
-    if mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return (f"work_dir {path!r} is writable by its group or by every user "
-                f"(mode {mode:04o}; fix with chmod go-w)")
-    return None
-
-
-def _create(path: str, data: bytes) -> None:
-    """Write a new file (0600); fails on anything already there, a symbolic link included."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    with os.fdopen(os.open(path, flags, 0o600), "wb") as f:
-        f.write(data)
 
 
 def _read_signed(folder: str, key: bytes, name: str, label: str) -> bytes:
@@ -284,7 +248,7 @@ def _read_signed(folder: str, key: bytes, name: str, label: str) -> bytes:
 
 def _write(folder: str, name: str, data: bytes) -> None:
     partial = os.path.join(folder, f".{name}.partial-{os.getpid()}")
-    _create(partial, data)
+    folders.create_new(partial, data)
     os.replace(partial, os.path.join(folder, name))
 
 

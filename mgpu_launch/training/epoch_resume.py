@@ -10,6 +10,7 @@ rebuilt) and for data without shuffling; ``fit(shuffle=True)`` cannot be replaye
 """
 
 import contextlib
+import json
 import warnings
 
 from mgpu_launch import keras_internals
@@ -61,6 +62,58 @@ def backup_state(batches_done: int, size: int, steps) -> dict:
     if batches_done and hasattr(data, "position"):
         state["position"] = int(data.position(batches_done))
         state["unit"] = data.unit
+    return state
+
+
+class BadBackup(ValueError):
+    """A backup whose recorded state is not what :func:`backup_state` writes: never used."""
+
+
+#: what :func:`backup_state` records; :func:`checked_state` refuses any other key
+STATE_KEYS = ("size", "steps", "position", "unit")
+_UNITS = ("sample", "batch")  # mgpu.data.shard's units: arrays' samples, a PyDataset's batches
+
+
+def _whole(state: dict, key: str, low: int) -> None:
+    value = state[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise BadBackup(f"{key}={value!r}, expected a whole number >= {low}")
+
+
+def checked_state(text: str, extra_keys=()) -> dict:
+    """The state :func:`backup_state` recorded in a backup, read back as data and checked.
+
+    Args:
+        text: the JSON text stored in the backup ("{}" for a backup without one).
+        extra_keys: further keys the caller records and checks itself (the elastic state's).
+
+    Returns:
+        The state: only known keys; ``size`` a whole number >= 1, ``steps`` None or >= 1,
+        ``position`` a whole number >= 0 with ``unit`` "sample" or "batch".
+
+    Raises:
+        BadBackup: anything else (the message says which key and what it holds).
+    """
+    try:
+        state = json.loads(text)
+    except ValueError as error:
+        raise BadBackup(f"its state is not JSON ({error})") from None
+    if not isinstance(state, dict):
+        raise BadBackup(f"its state is a {type(state).__name__}, not a JSON object")
+    unknown = sorted(set(state) - set(STATE_KEYS) - set(extra_keys))
+    if unknown:
+        raise BadBackup(f"its state holds unknown keys {unknown}; expected only "
+                        f"{list(STATE_KEYS) + list(extra_keys)}")
+    if "size" in state:
+        _whole(state, "size", 1)
+    if state.get("steps") is not None:
+        _whole(state, "steps", 1)
+    if ("position" in state) != ("unit" in state):
+        raise BadBackup("its state holds one of position and unit without the other")
+    if "position" in state:
+        _whole(state, "position", 0)
+        if state["unit"] not in _UNITS:
+            raise BadBackup(f"unit={state['unit']!r}, expected one of {list(_UNITS)}")
     return state
 
 

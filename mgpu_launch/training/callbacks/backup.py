@@ -3,17 +3,19 @@ restores every rank and continues at the backed-up epoch and batch."""
 
 import glob
 import json
+import math
 import os
 import re
 import shutil
+import stat
 import tempfile
 import warnings
-from typing import List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import keras
 
 from mgpu_launch import engines, keras_internals, runtime
-from mgpu_launch.runtime import collectives
+from mgpu_launch.runtime import collectives, folders
 from mgpu_launch.training import epoch_resume, patches, resize
 from mgpu_launch.training.callbacks.io import _is_chief, read_attributes, save_atomically
 from mgpu_launch.training.callbacks.schedule import correct_momentum, lr_target
@@ -54,7 +56,8 @@ class BackupAndRestore(keras.callbacks.Callback):
       cannot replay the order: the resumed epoch reads B batches fewer of a fresh order.
 
     Args:
-        backup_dir: a folder for the backups (created by rank 0); use it for nothing else.
+        backup_dir: a folder for the backups (created by rank 0, mode 0700); use it for
+            nothing else. It must be rank 0's user's alone (below).
             ``fit`` fails at its start, before any step, when rank 0 cannot write there.
         save_freq: ``"epoch"``, or a number of batches: back up every that many batches and
             at the end of every epoch.
@@ -69,6 +72,18 @@ class BackupAndRestore(keras.callbacks.Callback):
             buffers (SGD's, RMSprop's) by the same factor (Goyal et al.): Keras keeps the rate
             inside the velocity (``v = momentum * v - lr * g``), so the first steps after the
             resize then move as the new rate says instead of at the old one's speed.
+
+    The folder must be rank 0's user's alone (:func:`mgpu_launch.runtime.folders.private_folder`:
+    owned by that user, nobody else may write in it or redirect its path; a missing one is
+    created with mode 0700): ``fit`` refuses another with a PermissionError on every rank,
+    before reading or writing anything there. What a backup records is data: its state is
+    checked (:func:`mgpu_launch.training.epoch_resume.checked_state`) before its weights are
+    loaded, and its learning rate after. A backup that fails a check is **refused** with a
+    ValueError on every rank, not skipped for an older one: the folder is private, so a bad
+    state means a tampered file or one of an incompatible version, and resuming from an older
+    backup (or from scratch, whose first backups then delete the bad one) would hide that and
+    silently redo or lose training. Delete the file to resume from the next older one. A
+    backup that cannot be read at all (a damaged file) is skipped with a warning, as before.
 
     Each backup also records the writer's size and, for ``mgpu.data.shard`` data, the global
     position in the epoch's order, so a job restarted with another number of processes
@@ -104,62 +119,163 @@ class BackupAndRestore(keras.callbacks.Callback):
             # on JAX / torch) as soon as one callback overrides on_train_batch_end.
             self.on_train_batch_end = self._back_up_every_save_freq_batches
 
-    def _backups(self) -> List[Tuple[Tuple[int, int], str]]:
+    def _folder(self, create: bool = True) -> str:
+        """The backup folder's real path, checked to be this user's alone (rank 0).
+
+        Raises:
+            folders.UnsafeFolder: another user could change it or its path.
+            FileNotFoundError: it does not exist and `create` is False.
+        """
+        return folders.private_folder(self.backup_dir, "backup_dir", create=create)
+
+    def _backups(self, folder: str) -> List[Tuple[Tuple[int, int], str]]:
         """((epochs done, batches done), path) of every complete backup, newest first."""
         found = []
-        for name in os.listdir(self.backup_dir) if os.path.isdir(self.backup_dir) else ():
-            if match := _BACKUP.match(name):
+        for name in os.listdir(folder):
+            path = os.path.join(folder, name)
+            if (match := _BACKUP.match(name)) and stat.S_ISREG(os.lstat(path).st_mode):
                 position = (int(match.group(1)), int(match.group(2) or 0))
-                found.append((position, os.path.join(self.backup_dir, name)))
+                found.append((position, path))
         return sorted(found, reverse=True)
 
-    def _remove_partial_files(self) -> None:
-        for path in glob.glob(os.path.join(glob.escape(self.backup_dir), ".*")):
-            if _PARTIAL.match(os.path.basename(path)):
-                os.remove(path)
+    def _restore_on_chief(self, extras: Optional[Dict[str, Callable[[Any], Any]]] = None):
+        """Load the newest readable backup; ((epochs done, batches done), its state), or None.
 
-    def _restore_on_chief(self):
-        """Load the newest readable backup; ((epochs done, batches done), its state), or None."""
-        self._remove_partial_files()
-        for position, path in self._backups():
+        Args:
+            extras: for each further key the caller records in a backup's state (KerasState's
+                attributes), the function that checks its value and returns it (raising
+                ValueError for a bad one); a backup with any other key is refused.
+
+        Raises:
+            folders.UnsafeFolder: the folder is not this user's alone.
+            epoch_resume.BadBackup: the newest readable backup fails a check (class docstring).
+        """
+        try:
+            folder = self._folder(create=False)
+        except FileNotFoundError:
+            return None
+        for path in glob.glob(os.path.join(glob.escape(folder), ".*")):
+            if _PARTIAL.match(os.path.basename(path)):
+                os.remove(path)  # a link is removed, never followed
+        for position, path in self._backups(folder):
             try:
-                self.model.load_weights(path)
-                return position, json.loads(read_attributes(path).get(_STATE, "{}"))
+                text = read_attributes(path).get(_STATE, "{}")
             except (OSError, ValueError) as error:
                 warnings.warn(f"BackupAndRestore: cannot read {path} ({error}); trying an "
                               f"older backup", stacklevel=2)
+                continue
+            try:
+                state = epoch_resume.checked_state(text, tuple(extras or ()))
+                for key, check in (extras or {}).items():
+                    if key in state:
+                        state[key] = check(state[key])
+            except ValueError as error:
+                raise epoch_resume.BadBackup(f"{path}: {error}") from None
+            variables = model_state_variables(self.model)
+            before = [keras.ops.convert_to_numpy(v) for v in variables]
+            try:
+                self.model.load_weights(path)
+                self._check_learning_rate(path)
+            except (OSError, ValueError) as error:
+                # Nothing of a refused or half-read backup stays: not its rate, not the
+                # variables loaded before the read failed.
+                for variable, value in zip(variables, before):
+                    variable.assign(value)
+                if isinstance(error, epoch_resume.BadBackup):
+                    raise
+                warnings.warn(f"BackupAndRestore: cannot read {path} ({error}); trying an "
+                              f"older backup", stacklevel=2)
+                continue
+            return position, state
         return None
 
+    def _check_learning_rate(self, path: str) -> None:
+        try:
+            kind, target = lr_target(self.model.optimizer)
+        except (ValueError, AttributeError):  # no optimizer, or a schedule nothing restores
+            return
+        value = target.learning_rate if kind == "value" else target
+        rate = float(keras.ops.convert_to_numpy(value))
+        if not math.isfinite(rate) or rate < 0:
+            raise epoch_resume.BadBackup(
+                f"{path}: the restored learning rate{' multiplier' * (kind != 'value')} is "
+                f"{rate!r}, expected a finite number >= 0")
+
+    def _restore_everywhere(self, extras=None):
+        """Collective: rank 0's :meth:`_restore_on_chief`, its model state and outcome on
+        every rank; a refusal raises the same error on every rank (none waits for rank 0)."""
+        outcome = None
+        if _is_chief():
+            try:
+                outcome = ("restored", self._restore_on_chief(extras))
+            except folders.UnsafeFolder as error:
+                outcome = ("unsafe", str(error))
+            except epoch_resume.BadBackup as error:
+                outcome = ("bad", str(error))
+        if runtime.is_multi_process():
+            outcome = collectives.broadcast_object(outcome)
+        kind, restored = outcome
+        if kind == "unsafe":
+            raise PermissionError(f"BackupAndRestore: rank 0 refuses to read or write backups "
+                                  f"there: {restored}")
+        if kind == "bad":
+            raise epoch_resume.BadBackup(
+                f"BackupAndRestore: refused the backup {restored}. Nothing of it was used. "
+                f"Delete that file to resume from an older backup (or the folder to start "
+                f"afresh). mgpu never writes a backup that fails this check: look for what else "
+                f"writes there")
+        if runtime.is_multi_process() and restored is not None:
+            engines.get_engine().broadcast_variables(model_state_variables(self.model), 0)
+        return restored
+
     def _check_folder(self) -> None:
-        """Fail before the first step, not at the first save, when rank 0 cannot back up."""
+        """Fail before the first step, not at the first save, when rank 0 cannot back up.
+
+        Raises:
+            PermissionError: the folder is not rank 0's user's alone (every rank).
+            OSError: rank 0 cannot create it or write in it (every rank).
+        """
         problem = None
         if _is_chief():
             try:
-                os.makedirs(self.backup_dir, exist_ok=True)
-                with tempfile.NamedTemporaryFile(dir=self.backup_dir, prefix=".write-check-"):
+                folder = self._folder()
+                with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
                     pass
+            except folders.UnsafeFolder as error:
+                problem = ("unsafe", str(error))
             except FileExistsError:
-                problem = "it exists and is not a folder"
+                problem = ("os", "it exists and is not a folder")
             except OSError as error:
-                problem = f"{type(error).__name__}: {error.strerror or error}"
+                problem = ("os", f"{type(error).__name__}: {error.strerror or error}")
         if runtime.is_multi_process():
             problem = collectives.broadcast_object(problem)
-        if problem is not None:
-            raise OSError(f"BackupAndRestore: rank 0 cannot keep backups in "
-                          f"{self.backup_dir!r}: {problem}. Expected a folder rank 0 can "
-                          f"create and write in; give another backup_dir or fix its "
-                          f"permissions.")
+        if problem is None:
+            return
+        if problem[0] == "unsafe":
+            raise PermissionError(f"BackupAndRestore: rank 0 refuses to read or write backups "
+                                  f"there: {problem[1]}")
+        raise OSError(f"BackupAndRestore: rank 0 cannot keep backups in "
+                      f"{self.backup_dir!r}: {problem[1]}. Expected a folder rank 0 can "
+                      f"create and write in; give another backup_dir or fix its "
+                      f"permissions.")
+
+    def _delete_folder(self) -> None:
+        """Remove the backup folder (rank 0), unless another user could have redirected it."""
+        try:
+            folder = self._folder(create=False)
+        except FileNotFoundError:
+            return
+        except folders.UnsafeFolder as error:
+            warnings.warn(f"BackupAndRestore: not deleting the backups: {error}", stacklevel=2)
+            return
+        shutil.rmtree(folder, ignore_errors=True)
 
     def on_train_begin(self, logs=None):
         self._check_folder()
         model = self.model
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)  # the slots the backup fills
-        restored = self._restore_on_chief() if _is_chief() else None
-        if runtime.is_multi_process():
-            restored = collectives.broadcast_object(restored)
-            if restored is not None:
-                engines.get_engine().broadcast_variables(model_state_variables(model), 0)
+        restored = self._restore_everywhere()
         self._batches_since_save = self._resumed_batches = 0
         if restored is None:
             return
@@ -231,12 +347,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         state = epoch_resume.backup_state(batches, runtime.size() if runtime.is_initialized()
                                           else 1, (self.params or {}).get("steps"))
         state.update(extra or {})
-        save_atomically(self.model, os.path.join(self.backup_dir, name), weights_only=True,
-                        attributes={_STATE: json.dumps(state)})
-        for _, old in self._backups()[self.keep:]:
+        folder = self._folder()  # checked at every write: nothing is written through others'
+        save_atomically(self.model, os.path.join(folder, name), weights_only=True,
+                        attributes={_STATE: json.dumps(state)}, mode=0o600)
+        for _, old in self._backups(folder)[self.keep:]:
             os.remove(old)
 
     def on_train_end(self, logs=None):
         patches.resume_at(0, 0)  # a restore whose fit never reached an epoch
         if self.delete_checkpoint and _is_chief():
-            shutil.rmtree(self.backup_dir, ignore_errors=True)
+            self._delete_folder()

@@ -12,7 +12,7 @@ import keras
 import numpy as np
 
 from mgpu_launch import keras_internals, runtime
-from mgpu_launch.runtime import collectives
+from mgpu_launch.runtime import collectives, folders
 
 _HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
           "on_train_batch_begin", "on_train_batch_end", "on_test_begin", "on_test_end",
@@ -74,15 +74,22 @@ def _partial_path(filepath: str) -> str:
 
 
 def save_atomically(model, filepath: str, weights_only: bool,
-                    attributes: Optional[dict] = None) -> None:
+                    attributes: Optional[dict] = None, mode: int = 0o666) -> None:
     """``model.save`` / ``save_weights`` into a hidden sibling, then rename it over `filepath`:
     a process killed mid-write leaves whatever `filepath` held before. Creates the folder.
+    The sibling is created with ``O_EXCL | O_NOFOLLOW`` (`mode`, less the umask) before Keras
+    writes it, so a symbolic link planted under its name is removed, never written through.
     `attributes` (``.weights.h5`` only): strings stored as the HDF5 file's root attributes,
     inside the same atomic write (Keras's loading ignores them; see :func:`read_attributes`)."""
     folder = os.path.dirname(filepath)
     if folder:
         os.makedirs(folder, exist_ok=True)
     partial = _partial_path(filepath)
+    if os.path.lexists(partial):
+        os.remove(partial)  # an earlier process's with our pid: a link is removed, not followed
+    # Ours alone from here: created anew, so the path cannot lead through a link someone
+    # planted (Keras then writes by path: in a private folder nobody can swap it meanwhile).
+    folders.create_new(partial, mode=mode)
     try:
         if weights_only:
             model.save_weights(partial, overwrite=True)
@@ -95,7 +102,7 @@ def save_atomically(model, filepath: str, weights_only: bool,
                 store.attrs.update(attributes)
         os.replace(partial, filepath)
     finally:
-        if os.path.exists(partial):
+        if os.path.lexists(partial):
             os.remove(partial)
 
 
