@@ -89,6 +89,7 @@ class JaxEngine(Engine):
         self.size, self.comm = state.size, state.comm
         timeout = int(settings.seconds("MGPU_JAX_INIT_TIMEOUT"))
         address = rendezvous_address(state, "MGPU_JAX_COORDINATOR", timeout)
+        bound = bind_address(address, job_host_address(state))  # known by now: no collective
         options = {}
         gloo_host = None
         if devices.visible_gpus():
@@ -101,7 +102,7 @@ class JaxEngine(Engine):
             # Left alone, JAX's coordination service (no authentication) binds [::]:port.
             jax.distributed.initialize(address, num_processes=state.size, process_id=state.rank,
                                        initialization_timeout=timeout,
-                                       coordinator_bind_address=bind_address(address), **options)
+                                       coordinator_bind_address=bound, **options)
         except Exception as error:  # jaxlib raises its own XlaRuntimeError types
             raise RuntimeError(
                 f"rank {state.rank} could not join the JAX coordinator at {address} within "

@@ -54,7 +54,7 @@ def _store(dist, state, address: str, timeout: datetime.timedelta):
     host, port = host_and_port(address)
     if state.rank != 0:
         return dist.TCPStore(host, port, state.size, False, timeout)
-    listener = listen(address)
+    listener = listen(address, job_host_address(state))  # known by now: no collective
     return dist.TCPStore(host, port, state.size, True, timeout,
                          master_listen_fd=listener.detach())
 
