@@ -200,6 +200,11 @@ SETTINGS: Dict[str, Setting] = _declare(
       "the TCP port rank 0's stall inspector listens on, for a firewall rule", low=0,
       high=65535, expected="a TCP port number 1-65535 that the other hosts may reach (0: any "
                            "free port)", example="29400", shown_default="0 (any free port)"),
+    _("MGPU_BIND_ADDRESS", "text", None, RANKS,
+      "the IP address rank 0's listeners bind (stall inspector, JAX coordinator, torch "
+      "TCPStore); `0.0.0.0`: every interface, where the address the others dial is not one of "
+      "the host's own (NAT, a service name)", example="0.0.0.0",
+      shown_default="the address they are dialled at (`127.0.0.1` on one host)"),
     _("MGPU_PROFILE_SKIP_ALLREDUCE", "flag", False, RANKS,
       "JAX, profiling only: skip the gradient allreduce (the gradients are then wrong)"),
     _("MGPU_JAX_COORDINATOR", "address", None, RANKS,

@@ -325,6 +325,9 @@ def build_job(config: Config) -> Tuple[List[str], mpirun.Flavour, dict]:
     path = mpirun.find_mpirun(config.mpirun)
     flavour = mpirun.detect_flavour(path)
     env, names = job_environment(config)
+    if mpirun.one_host(config.hosts, config.hostfile, config.mpirun_args, env):
+        for name, value in flavour.one_host_env:  # the user's own setting wins
+            env.setdefault(name, value)
     local = not (config.hosts or config.hostfile)
     command = mpirun.build_command(
         path, flavour, config.np, worker_command(config), hosts=config.hosts,

@@ -10,10 +10,11 @@ import dataclasses
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import sysconfig
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 
 class MpirunNotFound(RuntimeError):
@@ -37,6 +38,11 @@ class Flavour:
     placement: Tuple[str, ...] = ()
     # How a rank that lost a peer (killed, host gone) dies: see OPENMPI.
     peer_loss: Tuple[str, ...] = ()
+    # Environment defaults for a job whose ranks all run on this host (see one_host): they
+    # keep the MPI library's listeners off the host's networks. Environment, not options:
+    # the same option twice on the command line is an error, and an option the user passes
+    # in --mpirun-args must win.
+    one_host_env: Tuple[Tuple[str, str], ...] = ()
     # Parses one line of tagged output into (rank, stream, text); None for mpirun's own lines.
     tag_pattern: "re.Pattern[str]" = re.compile(r"^\[(\d+),(\d+)\]<(stdout|stderr)>: ?(.*)$")
     # mpirun's own report of a rank killed by a signal, groups (rank, signal number); searched
@@ -78,6 +84,12 @@ OPENMPI = Flavour(
     # lines); 2-4 say "mpirun noticed that process rank 0 with PID 21183 on node host01 exited
     # on signal 9 (Killed)." (open-mpi/ompi#2661).
     signal_death=re.compile(r"rank (\d+) with PID \d+ on node \S+ exited on\s+signal (\d+)"),
+    # The TCP transport (btl tcp) listens on every interface, IPv4 and IPv6, in every rank,
+    # unauthenticated, and btl_tcp_if_include only chooses the networks it sends on. On one
+    # host the ranks talk through shared memory (btl sm) and never use it. prterun's own
+    # out-of-band listener binds every interface whatever its parameters (PRRTE's
+    # oob_tcp_listener.c); docs/security.md says so.
+    one_host_env=(("OMPI_MCA_btl", "^tcp"),),
 )
 _HYDRA = dict(
     np="-n", hosts="-hosts", hostfile="-f",
@@ -144,6 +156,40 @@ def detect_flavour(mpirun: str) -> Flavour:
     except (OSError, subprocess.TimeoutExpired) as error:
         raise MpirunNotFound(f"{mpirun} --version failed: {error}") from None
     return flavour_of(result.stdout + result.stderr)
+
+
+#: variables of resource managers whose allocation Open MPI reads when no host is named: a job
+#: started inside such an allocation may span its hosts (Slurm is told apart by its node count)
+_ALLOCATIONS = ("PBS_NODEFILE", "LSB_HOSTS", "LSB_MCPU_HOSTS", "PE_HOSTFILE", "FLUX_URI")
+#: mpirun options (all flavours) that name hosts, so that --mpirun-args can make a job span them
+_HOST_OPTIONS = ("-H", "--host", "-host", "-hosts", "--hostfile", "-hostfile", "-f",
+                 "--machinefile", "-machinefile", "--default-hostfile", "--rankfile", "-rf",
+                 "--dvm")
+
+
+def one_host(hosts: Optional[str], hostfile: Optional[str], extra: Sequence[str],
+             environ: Mapping[str, str]) -> bool:
+    """Whether every rank of the job will run on this host.
+
+    True when no host is named (``--hosts`` of this host only, no hostfile, no host option in
+    the extra mpirun arguments) and no multi-host allocation of a resource manager is in
+    `environ`. False whenever in doubt: then nothing is restricted.
+
+    Example:
+        >>> one_host("localhost:2", None, (), {})
+        True
+        >>> one_host(None, None, ("--host", "node2"), {})
+        False
+    """
+    if hostfile or any(arg.split("=")[0] in _HOST_OPTIONS for arg in extra):
+        return False
+    if hosts:
+        own = {"localhost", "127.0.0.1", socket.gethostname()}
+        return all(entry.split(":")[0] in own for entry in hosts.split(","))
+    if "SLURM_JOB_ID" in environ and environ.get(
+            "SLURM_JOB_NUM_NODES", environ.get("SLURM_NNODES")) != "1":
+        return False
+    return not any(name in environ for name in _ALLOCATIONS)
 
 
 def build_command(mpirun: str, flavour: Flavour, np: int, worker: Sequence[str], *,

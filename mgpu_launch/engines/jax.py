@@ -23,7 +23,8 @@ Set-up (``mgpu.init()``): rank 0 picks the coordinator address, MPI broadcasts i
 rank calls ``jax.distributed.initialize`` with its device given by ``local_device_ids`` (pinning
 by CUDA_VISIBLE_DEVICES hung JAX's topology exchange on our GPU machine). This must happen
 before JAX touches a device. ``MGPU_JAX_COORDINATOR`` (host:port) overrides the address and
-``MGPU_JAX_INIT_TIMEOUT`` (seconds, default 60) bounds the wait for the other processes.
+``MGPU_JAX_INIT_TIMEOUT`` (seconds, default 60) bounds the wait for the other processes. The
+coordinator binds that address's host, not every interface (``MGPU_BIND_ADDRESS`` overrides).
 """
 
 from typing import Any, List, Sequence
@@ -31,7 +32,7 @@ from typing import Any, List, Sequence
 import numpy as np
 
 from mgpu_launch.engines import Engine, reduction
-from mgpu_launch.runtime.rendezvous import job_host_address, rendezvous_address
+from mgpu_launch.runtime.rendezvous import bind_address, job_host_address, rendezvous_address
 from mgpu_launcher import settings
 
 AXIS = "mgpu"
@@ -88,6 +89,7 @@ class JaxEngine(Engine):
         self.size, self.comm = state.size, state.comm
         timeout = int(settings.seconds("MGPU_JAX_INIT_TIMEOUT"))
         address = rendezvous_address(state, "MGPU_JAX_COORDINATOR", timeout)
+        bound = bind_address(address, job_host_address(state))  # known by now: no collective
         options = {}
         gloo_host = None
         if devices.visible_gpus():
@@ -97,8 +99,10 @@ class JaxEngine(Engine):
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
             gloo_host = job_host_address(state)
         try:
+            # Left alone, JAX's coordination service (no authentication) binds [::]:port.
             jax.distributed.initialize(address, num_processes=state.size, process_id=state.rank,
-                                       initialization_timeout=timeout, **options)
+                                       initialization_timeout=timeout,
+                                       coordinator_bind_address=bound, **options)
         except Exception as error:  # jaxlib raises its own XlaRuntimeError types
             raise RuntimeError(
                 f"rank {state.rank} could not join the JAX coordinator at {address} within "

@@ -10,8 +10,9 @@ in the same order. ``apply`` then only waits. A parameter without a gradient on 
 (unused in that rank's forward) takes part as zeros: its bucket is launched in ``apply``.
 
 Set-up (``mgpu.init()``): rank 0 picks a TCP address, MPI shares it (after every rank proved it
-can connect), and ``torch.distributed.init_process_group`` starts NCCL on GPU (the launcher has
-pinned one GPU per process with CUDA_VISIBLE_DEVICES) or gloo on CPU.
+can connect), rank 0 serves torch's TCPStore there, bound to that address only, and
+``torch.distributed.init_process_group`` starts NCCL on GPU (the launcher has pinned one GPU
+per process with CUDA_VISIBLE_DEVICES) or gloo on CPU.
 
 Keras >= 3.16 wraps the model in ``DistributedDataParallel`` by itself when torch.distributed
 is initialized (``TorchTrainer._initialize_ddp``): gradients would then be reduced twice (once
@@ -26,7 +27,8 @@ import sys
 from typing import Any, List, Optional, Sequence
 
 from mgpu_launch.engines import Engine, reduction
-from mgpu_launch.runtime.rendezvous import interface_of, job_host_address, rendezvous_address
+from mgpu_launch.runtime.rendezvous import (host_and_port, interface_of, job_host_address,
+                                            listen, rendezvous_address)
 from mgpu_launcher import settings
 
 
@@ -39,6 +41,22 @@ def _bind_gloo(host: str) -> None:
     interface = interface_of(host)
     if interface and "GLOO_SOCKET_IFNAME" not in os.environ:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
+def _store(dist, state, address: str, timeout: datetime.timedelta):
+    """torch's TCPStore at `address`; rank 0 serves it on a socket bound to that address.
+
+    Given ``init_method="tcp://host:port"``, torch's store server (no authentication) listens
+    on every interface; a socket bound here (rendezvous.listen: the address it is dialled at,
+    or MGPU_BIND_ADDRESS) and handed over as ``master_listen_fd`` keeps it to the job's
+    network. The store owns and closes the descriptor.
+    """
+    host, port = host_and_port(address)
+    if state.rank != 0:
+        return dist.TCPStore(host, port, state.size, False, timeout)
+    listener = listen(address, job_host_address(state))  # known by now: no collective
+    return dist.TCPStore(host, port, state.size, True, timeout,
+                         master_listen_fd=listener.detach())
 
 
 class TorchEngine(Engine):
@@ -76,7 +94,7 @@ class TorchEngine(Engine):
             options = {"backend": "gloo"}
             _bind_gloo(job_host_address(state))
         ours = sys.excepthook
-        dist.init_process_group(init_method=f"tcp://{address}", rank=state.rank,
+        dist.init_process_group(store=_store(dist, state, address, timeout), rank=state.rank,
                                 world_size=state.size, timeout=timeout, **options)
         # torch wraps sys.excepthook to capture stderr while the old hook runs; ours aborts
         # the MPI job inside that hook, so the captured traceback would never be printed.

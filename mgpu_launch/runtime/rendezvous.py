@@ -7,7 +7,7 @@ TensorFlow's servers).
 
 import ipaddress
 import socket
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 from mgpu_launcher import settings
 
@@ -101,6 +101,70 @@ def interface_of(address: str) -> Optional[str]:
     return None
 
 
+def bind_host(dial_host: str, job_host: Optional[str] = None) -> str:
+    """The address a listener of this job binds on rank 0's host: ``MGPU_BIND_ADDRESS``, else
+    the address `dial_host` (what the other ranks dial) stands for here; never every interface
+    by default.
+
+    A listener bound to the address it is dialled at is reachable by the job, and by no one on
+    the host's other networks. A host name is resolved; where it resolves to a loopback address
+    (Debian's ``127.0.1.1 node1``) that other hosts cannot dial, `job_host` (the job's host
+    address, :func:`job_host_address`) is bound instead, unless that is loopback too.
+    ``MGPU_BIND_ADDRESS=0.0.0.0`` is for hosts where the dialled address is not one of the
+    host's own (NAT, a Kubernetes service name).
+
+    Raises:
+        settings.SettingError: ``MGPU_BIND_ADDRESS`` is not an IP address.
+
+    Example:
+        >>> bind_host("10.0.0.1")  # MGPU_BIND_ADDRESS unset
+        '10.0.0.1'
+    """
+    chosen = settings.text("MGPU_BIND_ADDRESS")
+    if chosen is not None:
+        try:
+            ipaddress.ip_address(chosen)
+        except ValueError:
+            raise settings.SettingError(
+                f"MGPU_BIND_ADDRESS={chosen!r}: expected an IP address of rank 0's host for the "
+                f"job's listeners to bind (0.0.0.0: every interface), e.g. "
+                f"MGPU_BIND_ADDRESS=10.0.0.1") from None
+        return chosen
+    try:
+        ipaddress.ip_address(dial_host)
+        return dial_host
+    except ValueError:
+        pass
+    resolved = _resolve(dial_host)
+    if resolved and _is_loopback(resolved) and job_host and not _is_loopback(job_host):
+        return job_host
+    return resolved or dial_host
+
+
+def host_and_port(address: str) -> Tuple[str, int]:
+    """``(host, port)`` of a ``host:port`` (an IPv6 host may be written in brackets)."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def bind_address(address: str, job_host: Optional[str] = None) -> str:
+    """The ``host:port`` a framework's listener for `address` binds (see :func:`bind_host`)."""
+    host, port = host_and_port(address)
+    host = bind_host(host, job_host)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def listen(address: str, job_host: Optional[str] = None) -> socket.socket:
+    """A TCP socket listening on `address`'s port, bound to :func:`bind_host` of its host.
+
+    Raises:
+        OSError: the address cannot be bound (not one of this host's, or the port is taken).
+    """
+    host, port = host_and_port(bind_address(address, job_host))
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=128)
+
+
 def rendezvous_address(state, override_variable: str, timeout: float = 60.0) -> str:
     """A ``host:port`` on rank 0's host that every rank has proved it can connect to.
 
@@ -108,9 +172,11 @@ def rendezvous_address(state, override_variable: str, timeout: float = 60.0) -> 
     listens on it and every rank opens a TCP connection within `timeout` seconds; the results
     are shared, so an unreachable address is one clear error on every rank instead of a
     framework's hang or C++ abort. The listener is closed again for the framework to bind.
+    It binds the address's own host (:func:`bind_host`), as the framework's listener must.
 
     Raises:
         RuntimeError: naming the first rank that could not connect, and why.
+        settings.SettingError: ``MGPU_BIND_ADDRESS`` is not an IP address (on every rank).
     """
     comm = state.comm
     address = None
@@ -120,17 +186,18 @@ def rendezvous_address(state, override_variable: str, timeout: float = 60.0) -> 
         if not address:
             address = f"{host}:{free_port()}"
     address = comm.bcast(address, root=0)
-    host, _, port = address.rpartition(":")
+    bound = bind_address(address, host)  # every rank: a bad MGPU_BIND_ADDRESS fails them all
     listener, problem = None, None
     if state.rank == 0:
         try:
-            listener = socket.create_server(("", int(port)))
+            listener = listen(address, host)
         except (OSError, ValueError) as error:
-            problem = f"rank 0 cannot listen on port {port!r} ({error})"
+            problem = (f"rank 0 cannot listen on {bound} ({error}; MGPU_BIND_ADDRESS=0.0.0.0 "
+                       f"binds every interface)")
     problem = comm.bcast(problem, root=0)
     if problem is None:
         try:
-            with socket.create_connection((host, int(port)), timeout=timeout):
+            with socket.create_connection(host_and_port(address), timeout=timeout):
                 pass
         except (OSError, ValueError) as error:
             problem = f"cannot connect to it ({type(error).__name__}: {error or 'timed out'})"

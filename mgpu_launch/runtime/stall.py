@@ -255,12 +255,13 @@ def start(state) -> None:
     _position = (0, STARTED, "")
     server = address = problem = None
     host = rendezvous.job_host_address(state)  # collective; not 127.0.1.1 across hosts
+    bound = rendezvous.bind_host(host)  # on every rank: a bad MGPU_BIND_ADDRESS fails them all
     if state.rank == 0:
         try:
-            server = stall_channel.PositionServer(host, listen_port, state.job_key, state.size)
+            server = stall_channel.PositionServer(bound, listen_port, state.job_key, state.size)
             address = f"{host}:{server.port}"
         except OSError as error:
-            problem = (f"the stall inspector cannot listen on {host}:{listen_port} "
+            problem = (f"the stall inspector cannot listen on {bound}:{listen_port} "
                        f"(MGPU_STALL_PORT={listen_port}): {error}. "
                        f"Pick a port that is free on rank 0's host, or unset MGPU_STALL_PORT.")
     address, problem = state.comm.bcast((address, problem), root=0)

@@ -156,6 +156,37 @@ def test_mpich_command_uses_hydra_spelling():
     assert command == ["mpiexec", "-n", "2", "-f", "hf", "-prepend-rank", "-genvlist", "A,B", "w"]
 
 
+@pytest.mark.parametrize("hosts, hostfile, extra, environ, expected", [
+    (None, None, (), {}, True),
+    ("localhost:2", None, (), {}, True),
+    ("localhost:1,node2:1", None, (), {}, False),
+    (None, "hosts.txt", (), {}, False),
+    (None, None, ("--host", "node2"), {}, False),
+    (None, None, ("--hostfile=hf",), {}, False),
+    (None, None, ("--mca", "btl_tcp_if_include", "eth0"), {}, True),
+    (None, None, (), {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2"}, False),
+    (None, None, (), {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1"}, True),
+    (None, None, (), {"PBS_NODEFILE": "/var/spool/pbs/aux/1"}, False),
+])
+def test_one_host_only_when_no_other_host_can_take_a_rank(hosts, hostfile, extra, environ,
+                                                           expected):
+    assert mpirun.one_host(hosts, hostfile, extra, environ) is expected
+
+
+def test_a_one_host_job_turns_open_mpis_tcp_transport_off_unless_told(script, monkeypatch):
+    """Open MPI's TCP transport listens on every interface in every rank (docs/security.md)."""
+    monkeypatch.delenv("OMPI_MCA_btl", raising=False)
+    _, flavour, env = cli.build_job(cli.parse_args(["-np", "2", script]))
+    if flavour is not mpirun.OPENMPI:
+        pytest.skip(f"mpirun here is {flavour.name}")
+    assert env["OMPI_MCA_btl"] == "^tcp"
+    _, _, env = cli.build_job(cli.parse_args(["-np", "2", "-H", "localhost:1,node2:1", script]))
+    assert "OMPI_MCA_btl" not in env
+    monkeypatch.setenv("OMPI_MCA_btl", "self,tcp")
+    _, _, env = cli.build_job(cli.parse_args(["-np", "2", script]))
+    assert env["OMPI_MCA_btl"] == "self,tcp"
+
+
 def test_dry_run_prints_the_mpirun_command(script, capsys, monkeypatch):
     monkeypatch.setenv("NCCL_DEBUG", "INFO")
     assert cli.main(["-np", "2", "--dry-run", "-x", "FOO=1", "--no-pin", script, "--lr", "1"]) == 0
