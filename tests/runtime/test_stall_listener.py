@@ -159,7 +159,7 @@ FLOOD = textwrap.dedent("""
             held.append(socket.create_connection(("127.0.0.1", port), timeout=2))
         except OSError:
             continue
-        if len(held) > 200:
+        if len(held) > 900:
             held.pop(0).close()
 """)
 
