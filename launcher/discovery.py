@@ -3,9 +3,13 @@
 The script is Horovod's (``horovodrun --host-discovery-script``): an executable that prints
 the hosts available right now, one ``HOST:SLOTS`` per line (``HOST`` alone: one slot), and exits
 0. mgpu-train runs it before every start of the job and every few seconds while it runs. What
-it prints is checked here and nowhere else: a line that does not parse is skipped with a
-warning naming it, a script that fails, hangs or prints nothing usable is a
-:class:`DiscoveryError` with the reason; nothing it prints can crash the launcher.
+it prints is checked here and nowhere else: a line that does not parse, or whose host is not a
+host name (``-H`` must never receive an option), is skipped with a warning naming it; a script
+that fails, hangs, or prints more than :data:`MAX_OUTPUT_BYTES` bytes or :data:`MAX_LINES`
+lines, or nothing usable, is a :class:`DiscoveryError` with the reason. The script runs in a
+process group of its own, ended when it runs past its time (a background job it started that
+still holds its output included). Nothing it prints can crash the launcher or exhaust its
+memory.
 
 A host on which a rank failed is blacklisted for a cool-down (``--blacklist-cooldown``,
 doubling with each further failure of that host, at most 16 times), as Horovod does; after it,
@@ -13,14 +17,24 @@ the host is used again if discovery still lists it.
 """
 
 import dataclasses
+import os
 import re
+import selectors
+import signal
 import subprocess
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 #: seconds the script may run before it counts as failed
 SCRIPT_TIMEOUT_S = 30.0
-_LINE = re.compile(r"^([A-Za-z0-9_.\-]+)(?::(\d+))?$")
+#: the most the script may print on stdout, in bytes and in lines (a host list is far less)
+MAX_OUTPUT_BYTES = 1 << 20
+MAX_LINES = 65536
+_LINE = re.compile(r"^([^:\s]+)(?::(\d+))?$")
+# RFC 1123 host names (and the '_' some clusters' node names hold): dot-separated labels.
+_LABEL = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_\-]{0,61}[A-Za-z0-9_])?$")
+_HOST_NAME = ("a host name: letters, digits, '-' and '_' in dot-separated labels of 1 to 63 "
+              "characters, none starting or ending with '-'")
 _MAX_BACKOFF = 16
 
 
@@ -65,6 +79,10 @@ def parse(text: str, source: str = "the discovery script") -> Hosts:
                             f"HOST:SLOTS, e.g. node1:4")
             continue
         host, count = match.group(1), int(match.group(2) or 1)
+        if not is_host_name(host):
+            problems.append(f"{source}, line {number}: {host[:80]!r} skipped: expected "
+                            f"{_HOST_NAME}")
+            continue
         if host in slots:
             problems.append(f"{source}, line {number}: {host} listed again; its first line "
                             f"counts")
@@ -73,30 +91,90 @@ def parse(text: str, source: str = "the discovery script") -> Hosts:
     return Hosts(tuple(slots.items()), tuple(problems))
 
 
+def is_host_name(host: str) -> bool:
+    """Whether `host` is a host name (never an option: no leading '-')."""
+    return len(host) <= 253 and all(_LABEL.match(label) for label in host.split("."))
+
+
 def discover(script: str, timeout: float = SCRIPT_TIMEOUT_S) -> Hosts:
     """Run `script` and parse its output.
 
     Raises:
-        DiscoveryError: it could not be started, ran past `timeout`, exited non-zero, or
-            listed no host with a slot.
+        DiscoveryError: it could not be started, ran past `timeout` (its process group is then
+            ended), exited non-zero, printed more than :data:`MAX_OUTPUT_BYTES` bytes or
+            :data:`MAX_LINES` lines, or listed no host with a slot.
     """
-    try:
-        done = subprocess.run([script], capture_output=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        raise DiscoveryError(f"{script} did not finish in {timeout:g} s") from None
-    except OSError as error:
-        raise DiscoveryError(f"{script} cannot be run: {error.strerror}") from None
-    text = done.stdout.decode("utf-8", "replace")
-    if done.returncode != 0:
-        last = done.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
-        raise DiscoveryError(f"{script} exited with status {done.returncode}"
+    status, out, err = _run(script, timeout)
+    if status != 0:
+        last = err.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
+        raise DiscoveryError(f"{script} exited with status {status}"
                              + (f": {last[0][:200]}" if last[0] else ""))
-    hosts = parse(text, script)
+    hosts = parse(out.decode("utf-8", "replace"), script)
     if not hosts.slots:
         why = f" ({'; '.join(hosts.problems)})" if hosts.problems else ""
         raise DiscoveryError(f"{script} listed no host with a slot{why}")
     return hosts
+
+
+def _run(script: str, timeout: float) -> Tuple[int, bytes, bytes]:
+    """(exit status, stdout, last bytes of stderr) of `script`, read within bounds.
+
+    Raises:
+        DiscoveryError: see :func:`discover`; the script's process group is ended first.
+    """
+    try:  # a session of its own: its group holds whatever it starts, background jobs too
+        proc = subprocess.Popen([script], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
+    except OSError as error:
+        raise DiscoveryError(f"{script} cannot be run: {error.strerror}") from None
+    out, err, lines, problem = bytearray(), bytearray(), 0, None
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        selector.register(proc.stderr, selectors.EVENT_READ)
+        while selector.get_map() and problem is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                problem = _late(script, proc, timeout)
+                break
+            for key, _ in selector.select(left):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    selector.unregister(key.fileobj)
+                elif key.fileobj is proc.stderr:
+                    err += chunk
+                    del err[:-4096]  # only its last line is shown
+                else:
+                    out += chunk
+                    lines += chunk.count(b"\n")
+                    if len(out) > MAX_OUTPUT_BYTES or lines > MAX_LINES:
+                        limit = (f"{MAX_OUTPUT_BYTES} bytes" if len(out) > MAX_OUTPUT_BYTES
+                                 else f"{MAX_LINES} lines")
+                        problem = (f"{script} printed more than {limit}, the limit for a host "
+                                   f"list (one HOST:SLOTS per line); its process group was "
+                                   f"ended. Fix the script to print only the hosts")
+                        break
+    if problem is None:
+        try:
+            return proc.wait(max(0.0, deadline - time.monotonic())), bytes(out), bytes(err)
+        except subprocess.TimeoutExpired:
+            problem = _late(script, proc, timeout)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group outlives the script while one is left
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+    proc.stdout.close()
+    proc.stderr.close()
+    raise DiscoveryError(problem)
+
+
+def _late(script: str, proc: subprocess.Popen, timeout: float) -> str:
+    if proc.poll() is None:
+        return f"{script} did not finish in {timeout:g} s; its process group was ended"
+    return (f"{script} exited (status {proc.returncode}), but a process it started kept its "
+            f"output open for {timeout:g} s; its process group was ended. Fix: start background "
+            f"jobs with their output redirected (cmd >/dev/null 2>&1 &)")
 
 
 class Blacklist:

@@ -4,24 +4,26 @@ mpirun runs in a session of its own (``start_new_session``) and its ranks stay i
 (Open MPI gives each rank its own process group, so killing mpirun's group is not enough): the
 session is the job. :func:`kill` and :func:`wait_until_gone` end it from the launcher.
 
-A caller that cannot catch signals (``mgpu_launch.run`` on a thread other than the main one)
-may die without a chance to end its job: killed, or interrupted and exiting while the job
-runs. A :class:`Reaper` covers that: a small watchdog process, started beside the job, that
-holds a pipe from the caller. When the caller lets it go (:meth:`Reaper.release`, after its own
-teardown) it leaves; when the pipe closes without that word (the caller is gone, however it
-died) it ends the session as mgpu-train's own Ctrl-C would. Run as a script
-(``python -I sessions.py SESSION``), this module is that watchdog: it needs only the standard
-library, so it starts the same wherever the package is installed.
+Whatever ends the launching process (mgpu-train, or the caller of ``mgpu_launch.run`` on any
+thread) may leave it no chance to end its job: SIGKILL, an OOM kill, a crash, or a thread that
+cannot catch signals. A :class:`Reaper` covers that, for every attempt of every launch: a small
+watchdog process, started beside the job, that holds a pipe from the caller. When the caller
+lets it go (:meth:`Reaper.release`, after its own teardown) it leaves; when the pipe closes
+without that word (the caller is gone, however it died) it ends the session as mgpu-train's own
+Ctrl-C would, and removes the run's temporary folder if it was given one. Run as a script
+(``python -I sessions.py SESSION [FOLDER]``), this module is that watchdog: it needs only the
+standard library, so it starts the same wherever the package is installed.
 
 Linux only (/proc); elsewhere no member is ever found and only mpirun's group is signalled.
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 #: seconds between asking mpirun to stop (SIGTERM) and killing what is left of its session
 GRACE_SECONDS = 5.0
@@ -80,6 +82,8 @@ class Reaper:
         session: the session to end: mpirun's pid, mpirun having been started with
             ``start_new_session=True`` (start it before the reaper, so that mpirun does not
             inherit the reaper's pipe).
+        folder: a folder of the run to remove once the job is gone (``mgpu_launch.run``'s
+            temporary one), or None. Only when the caller died: otherwise the caller removes it.
 
     Example:
         >>> proc = subprocess.Popen(command, start_new_session=True)
@@ -88,11 +92,12 @@ class Reaper:
         >>> reaper.release()         # done: the reaper leaves without touching anything
     """
 
-    def __init__(self, session: int):
+    def __init__(self, session: int, folder: Optional[str] = None):
         # Its own session: a Ctrl-C in the terminal (SIGINT to the foreground group) must not
         # take the watchdog down with the caller.
         self._proc = subprocess.Popen(
-            [sys.executable, "-I", os.path.abspath(__file__), str(session)],
+            [sys.executable, "-I", os.path.abspath(__file__), str(session)]
+            + ([os.path.abspath(folder)] if folder else []),
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True)
 
     def release(self) -> None:
@@ -105,10 +110,18 @@ class Reaper:
         self._proc.wait()
 
 
-def _reap(session: int) -> int:
+def _reap(session: int, folder: Optional[str] = None) -> int:
     """The watchdog's body: wait for the caller's word or its end; end the session if gone."""
     if sys.stdin.buffer.read() == _RELEASE:
         return 0
+    try:
+        return _end(session)
+    finally:
+        if folder:  # after the ranks are gone: none writes into it any more
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _end(session: int) -> int:
     alive = members(session)
     if not alive:
         return 0
@@ -131,4 +144,4 @@ def _reap(session: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_reap(int(sys.argv[1])))
+    sys.exit(_reap(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else None))

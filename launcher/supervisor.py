@@ -11,8 +11,9 @@ still alive after a grace period is killed. mpirun runs in a session of its own,
 stay in that session (mgpu_launcher.sessions): at the end every process of the session is
 killed, and the supervisor waits until none is left, so a restart never meets the previous
 attempt's ranks. Signals are forwarded only when the supervisor runs on the main thread
-(``mgpu_launch.run`` may run on another): elsewhere a reaper process ends the job if the
-calling process dies or exits before it.
+(``mgpu_launch.run`` may run on another). Whatever thread it runs on, a reaper process
+(mgpu_launcher.sessions) ends the job if the launching process dies or exits before it, SIGKILL
+included.
 """
 
 import collections
@@ -255,17 +256,18 @@ class Job:
 
     @classmethod
     def start(cls, command: Sequence[str], env: Optional[Dict[str, str]], relay: OutputRelay,
-              stderr: TextIO) -> "Job":
+              stderr: TextIO, run_folder: Optional[str] = None) -> "Job":
         """Start mpirun in a session of its own and relay its output.
 
-        Its own session, so that the whole tree can be killed at once. Off the main thread no
-        signal handler can be installed (see :meth:`signals_forwarded`), so a
-        :class:`sessions.Reaper` ends the job instead should this process die before it.
+        Its own session, so that the whole tree can be killed at once. A
+        :class:`sessions.Reaper` ends the job (and removes `run_folder`) should this process
+        die before it: a signal handler cannot catch SIGKILL, and off the main thread none can
+        be installed at all (see :meth:`signals_forwarded`).
         """
         proc = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         try:
-            reaper = None if _on_main_thread() else sessions.Reaper(proc.pid)
+            reaper = sessions.Reaper(proc.pid, run_folder)
         except BaseException:
             sessions.kill(proc.pid)
             raise
@@ -296,8 +298,8 @@ class Job:
         """SIGINT and SIGTERM go to :meth:`forward` meanwhile, on the main thread only.
 
         Elsewhere (``mgpu_launch.run`` on a thread of its caller) Python runs signal handlers
-        on the main thread alone: the caller's own handling applies there, and the job's
-        reaper ends the job if the caller dies or exits while it runs.
+        on the main thread alone: the caller's own handling applies there. Everywhere, the
+        job's reaper ends the job if the caller dies or exits while it runs.
         """
         if not _on_main_thread():
             yield
@@ -338,8 +340,8 @@ def supervise(command: Sequence[str], flavour: Flavour, *, all_ranks: bool = Fal
               stdout: Optional[TextIO] = None, stderr: Optional[TextIO] = None,
               attempt: Optional[Tuple[int, int]] = None, size: Optional[int] = None,
               merge_window: Optional[float] = None,
-              on_start: Optional[Callable[[subprocess.Popen, "OutputRelay"], None]] = None
-              ) -> Outcome:
+              on_start: Optional[Callable[[subprocess.Popen, "OutputRelay"], None]] = None,
+              run_folder: Optional[str] = None) -> Outcome:
     """Run `command` (an mpirun argument list) to its end and tear the job down completely.
 
     Args:
@@ -355,6 +357,8 @@ def supervise(command: Sequence[str], flavour: Flavour, *, all_ranks: bool = Fal
             merging; default ``merge.DEFAULT_WINDOW``). Ignored with `all_ranks`.
         on_start: called with mpirun's Popen and the output relay once mpirun runs (the
             elastic loop signals the job through them).
+        run_folder: a temporary folder of the run that the reaper removes should this process
+            die before the job ends (``mgpu_launch.run``'s); the caller removes it otherwise.
 
     Returns:
         An :class:`Outcome`: its status is mpirun's exit status, 128+N when the launcher itself
@@ -364,7 +368,7 @@ def supervise(command: Sequence[str], flavour: Flavour, *, all_ranks: bool = Fal
     stderr = stderr or sys.stderr
     relay = OutputRelay(flavour, all_ranks, output_dir, stdout or sys.stdout, stderr,
                         size=size, merge_window=merge_window)
-    job = Job.start(command, env, relay, stderr)
+    job = Job.start(command, env, relay, stderr, run_folder)
     try:
         if on_start is not None:
             on_start(job.proc, relay)

@@ -185,6 +185,37 @@ def shared_folder():
         shutil.rmtree(base, ignore_errors=True)
 
 
+def processes_mentioning(text):
+    """`ps` lines (pid, state, command) of live processes whose command line holds `text`."""
+    listing = subprocess.run(["ps", "-ww", "-eo", "pid=,stat=,args="], capture_output=True,
+                             text=True, check=True).stdout  # -ww: whole lines, whatever COLUMNS
+    return [line.strip() for line in listing.splitlines()
+            if text in line and line.split(None, 2)[1][0] != "Z"]
+
+
+def gone_after_kill(victim, text, limit=30.0):
+    """SIGKILL `victim` (a Popen); seconds until no process mentioning `text` is left.
+
+    Returns None when some are still alive after `limit` s (they are then killed, so that a
+    failing test leaves nothing behind either).
+    """
+    import signal
+    import time
+    victim.kill()
+    killed_at = time.monotonic()
+    victim.wait()
+    while processes_mentioning(text):
+        if time.monotonic() - killed_at > limit:
+            for line in processes_mentioning(text):
+                try:
+                    os.kill(int(line.split()[0]), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            return None
+        time.sleep(0.1)
+    return time.monotonic() - killed_at
+
+
 @contextlib.contextmanager
 def daemons_up(script, directory, needs):
     """``script up DIR`` (scripts/cluster.sh, scripts/slurm.sh), then ``script down DIR`` on the

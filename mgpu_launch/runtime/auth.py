@@ -29,6 +29,7 @@ import hmac
 import json
 import secrets
 import socket
+import struct
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -172,6 +173,37 @@ def _position(message: Dict[str, Any], rank: int) -> Position:
     return _int(step, 0, 1 << 62), _int(phase, 0, 64), detail
 
 
+def local_peer_uid(sock: socket.socket) -> Optional[int]:
+    """The user owning the other end of a TCP connection made from this host, else None.
+
+    Linux only (``/proc/net/tcp`` and ``tcp6`` list every socket of this network namespace with
+    its owner): a connection from another host, another namespace or another system gives None.
+    The listener uses it to turn away another local user's connections when its queue of
+    unauthenticated ones is full: they cannot hold the job key, and cannot crowd a rank out.
+    """
+    try:
+        ours, theirs = sock.getsockname(), sock.getpeername()
+        table = "/proc/net/tcp6" if sock.family == socket.AF_INET6 else "/proc/net/tcp"
+        # In the table, the peer's socket has our peer address as its local one, and ours as
+        # its remote one; addresses are printed as the kernel's 32-bit words, in hex.
+        wanted = (_proc_address(sock.family, *theirs[:2]), _proc_address(sock.family, *ours[:2]))
+        with open(table) as listing:
+            next(listing)
+            for line in listing:
+                fields = line.split()
+                if (fields[1], fields[2]) == wanted:
+                    return int(fields[7])
+    except (OSError, ValueError, IndexError, StopIteration):
+        pass
+    return None
+
+
+def _proc_address(family: int, host: str, port: int) -> str:
+    packed = socket.inet_pton(family, host)
+    words = struct.unpack(f"={len(packed) // 4}I", packed)
+    return "".join(f"{word:08X}" for word in words) + f":{port:04X}"
+
+
 class ServerPeer:
     """One accepted control connection, as the listener (rank 0) sees it.
 
@@ -186,7 +218,8 @@ class ServerPeer:
     def __init__(self, key: bytes, size: int):
         self.key, self.size = key, size
         self.nonce = secrets.token_bytes(16)
-        self.deadline = time.monotonic() + HELLO_TIMEOUT_S
+        self.opened = time.monotonic()
+        self.deadline = self.opened + HELLO_TIMEOUT_S
         self.rank: Optional[int] = None
         self.session: Optional[_Session] = None
         self.lines = _Lines()

@@ -179,7 +179,8 @@ def run(fn: Callable, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]]
         stderr = _Tee(sys.stderr)
         outcome = supervisor.supervise(command, flavour, all_ranks=all_ranks_output, env=job_env,
                                        stdout=sys.stdout, stderr=stderr, size=np,
-                                       merge_window=settings.seconds("MGPU_MERGE_SECONDS"))
+                                       merge_window=settings.seconds("MGPU_MERGE_SECONDS"),
+                                       run_folder=folder if own_dir else None)
         if outcome.status != 0:
             raise _failure(folder, key, outcome.status, "".join(stderr.text))
         results = [pickle.loads(_read_signed(folder, key, f"result.{rank}.pkl", f"result {rank}"))

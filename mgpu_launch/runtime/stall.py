@@ -239,8 +239,9 @@ def start(state) -> None:
 
     Collective: every rank calls it, after MPI is up and the job key is shared. Rank 0 listens
     on the job's host address (``MGPU_STALL_PORT``, else a free port); the other ranks connect
-    and prove the job key (mgpu_launch.runtime.auth). A rank that cannot reach rank 0 only turns the
-    inspector off on that rank, with a warning; it never fails the job.
+    and prove the job key (mgpu_launch.runtime.auth) from their reporter thread. A rank that
+    cannot reach rank 0 says so once and keeps trying in the background (a flood of
+    connections from outside the job only delays it); it never fails the job.
 
     Raises:
         ValueError: ``MGPU_STALL_WARNING_S`` / ``MGPU_STALL_SHUTDOWN_S`` are not numbers > 0,
@@ -271,13 +272,10 @@ def start(state) -> None:
         _inspector = Monitor(server, warning_s or float("inf"), shutdown_s)
     else:
         host, _, number = address.rpartition(":")
-        try:
-            channel = auth.connect(host, int(number), state.job_key, state.rank, timeout=10)
-        except (OSError, auth.Rejected) as error:
-            print(f"mgpu: warning: the stall inspector is off on rank {state.rank}: it cannot "
-                  f"reach rank 0 at {address} ({error}).", file=sys.stderr, flush=True)
-            return
-        _inspector = stall_channel.Reporter(state.rank, channel, position, REPORT_INTERVAL_S)
+        rank, key = state.rank, state.job_key
+        _inspector = stall_channel.Reporter(
+            rank, lambda: auth.connect(host, int(number), key, rank, timeout=10), position,
+            REPORT_INTERVAL_S)
     _inspector.start()
 
 

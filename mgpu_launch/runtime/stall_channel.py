@@ -7,15 +7,23 @@ changed. Every byte a connection sends passes mgpu_launch.runtime.auth first (th
 challenge, HMAC-signed lines, the message schema, a line length limit, a deadline for the
 hello): a connection that fails any of it is closed, and nothing else changes, so the positions
 the inspector compares are only ever those the ranks themselves sent.
+
+Connections from outside the job cannot switch the inspector off either: at most
+:attr:`PositionServer.MAX_PENDING` connections wait for their hello, each new one is safe from
+eviction for :attr:`PositionServer.ANSWER_GRACE_S` (a rank answers in one round trip; when all
+are that new, the newcomer is turned away instead), a pass reads before it evicts, a full set
+turns away another local user's newcomers at once (their sockets' owner, from /proc), and a
+rank turned away keeps trying (:class:`Reporter`).
 """
 
 import faulthandler
+import os
 import selectors
 import socket
 import sys
 import threading
 import time
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 from mgpu_launch.runtime import auth
 
@@ -38,8 +46,11 @@ class PositionServer:
         OSError: the address cannot be listened on.
     """
 
-    #: connections that have not proved the key yet, at most (the oldest is closed first)
+    #: connections that have not proved the key yet, at most
     MAX_PENDING = 16
+    #: seconds a new connection is never evicted for a newer one: a rank answers the greeting
+    #: in one round trip, so a flood of newer connections cannot push it out before it does
+    ANSWER_GRACE_S = 2.0
 
     def __init__(self, host: str, port: int, key: bytes, size: int):
         self.listener = socket.create_server((host, port), backlog=max(size, 64))
@@ -55,17 +66,22 @@ class PositionServer:
     def poll(self, timeout: float) -> Dict[int, Position]:
         """Wait up to `timeout` s for traffic; the newest position of each rank that sent one.
 
+        One pass reads every connection that has data first, and only then accepts a new one
+        (which may evict a waiting one): a connection is never evicted between being reported
+        ready and being read (issue 37: that KeyError killed the monitor thread).
+
         Raises:
             OSError: the listener itself failed (a bad connection never raises).
         """
         received: Dict[int, Position] = {}
-        for key, _ in self.selector.select(timeout):
-            if key.fileobj is self.listener:
-                self._accept()
-            elif key.fileobj is self.wake_up:
-                self.wake_up.recv(64)
-            else:
-                self._receive(key.fileobj, received)
+        ready = [key.fileobj for key, _ in self.selector.select(timeout)]
+        for sock in ready:
+            if sock is not self.listener and sock is not self.wake_up:
+                self._receive(sock, received)
+        if self.wake_up in ready:
+            self.wake_up.recv(64)
+        if self.listener in ready:
+            self._accept()
         now = time.monotonic()
         for sock, peer in list(self.peers.items()):
             if peer.rank is None and now > peer.deadline:
@@ -78,6 +94,9 @@ class PositionServer:
         except OSError:  # the client gave up already, or no file descriptor is left
             time.sleep(0.01)
             return
+        if not self._room_for_one_more(sock):
+            sock.close()  # a rank turned away here tries again (Reporter)
+            return
         peer = auth.ServerPeer(self.key, self.size)
         try:
             sock.settimeout(1.0)  # sends are small: a peer that reads nothing costs 1 s at most
@@ -87,12 +106,27 @@ class PositionServer:
             sock.close()
             return
         self.peers[sock] = peer
-        pending = [other for other, state in self.peers.items() if state.rank is None]
-        if len(pending) > self.MAX_PENDING:
-            self._drop(pending[0])  # dicts keep insertion order: the oldest
+
+    def _room_for_one_more(self, newcomer: socket.socket) -> bool:
+        """Whether a new connection may wait for its hello; when the set is full, another local
+        user's newcomer is turned away, else the oldest waiting one that had its grace period
+        to answer is evicted."""
+        pending = [(peer.opened, sock) for sock, peer in self.peers.items() if peer.rank is None]
+        if len(pending) < self.MAX_PENDING:
+            return True
+        owner = auth.local_peer_uid(newcomer)  # read only under pressure: it scans /proc
+        if owner is not None and owner != os.geteuid():
+            return False
+        opened, oldest = min(pending, key=lambda entry: entry[0])
+        if time.monotonic() - opened < self.ANSWER_GRACE_S:
+            return False  # every waiting one is new: the newcomer goes, not one of them
+        self._drop(oldest)
+        return True
 
     def _receive(self, sock: socket.socket, received: Dict[int, Position]) -> None:
-        peer = self.peers[sock]
+        peer = self.peers.get(sock)
+        if peer is None:  # closed earlier in this pass (poll reads before it evicts)
+            return
         try:
             reply, positions = peer.feed(sock.recv(65536))
             if reply:
@@ -141,24 +175,56 @@ class PositionServer:
 
 
 class Reporter(threading.Thread):
-    """A non-zero rank's side: sends its position when it changed, answers stack requests.
+    """A non-zero rank's side: connects to rank 0, sends its position when it changed, answers
+    stack requests.
+
+    A connection that fails before it is authenticated (rank 0 not reachable yet, or turned
+    away while others flood its port) is tried again, every :data:`RETRY_S` seconds at most,
+    until :meth:`stop`: nobody outside the job can switch a rank's inspector off by keeping
+    rank 0's listener busy at start-up. Once authenticated, rank 0 closing the connection
+    means the job is ending, and the thread ends.
 
     Args:
         rank: this rank.
-        channel: its authenticated connection to rank 0 (:func:`mgpu_launch.runtime.auth.connect`).
+        connect: opens this rank's authenticated channel to rank 0
+            (:func:`mgpu_launch.runtime.auth.connect`); raises OSError or auth.Rejected.
         position: returns this rank's current position.
         interval: seconds between two looks at the position.
     """
 
-    def __init__(self, rank: int, channel: auth.ClientChannel,
+    #: the longest wait between two attempts to reach rank 0
+    RETRY_S = 2.0
+
+    def __init__(self, rank: int, connect: Callable[[], auth.ClientChannel],
                  position: Callable[[], Position], interval: float = 0.5):
         super().__init__(name="mgpu-stall-reporter", daemon=True)
-        self.rank, self.channel, self.position = rank, channel, position
+        self.rank, self.connect, self.position = rank, connect, position
         self.interval, self.stopped = interval, threading.Event()
+        self.channel: Optional[auth.ClientChannel] = None
 
     def run(self) -> None:
+        self.channel = self._reach_rank_0()
+        if self.channel is not None:
+            self._report(self.channel)
+
+    def _reach_rank_0(self) -> Optional[auth.ClientChannel]:
+        wait, warned = 0.05, False
+        while not self.stopped.is_set():
+            try:
+                return self.connect()
+            except (OSError, auth.Rejected) as error:
+                if not warned:
+                    print(f"mgpu: warning: the stall inspector of rank {self.rank} cannot reach "
+                          f"rank 0 yet ({error}); it keeps trying in the background.",
+                          file=sys.stderr, flush=True)
+                    warned = True
+            self.stopped.wait(wait)
+            wait = min(2 * wait, self.RETRY_S)
+        return None
+
+    def _report(self, channel: auth.ClientChannel) -> None:
         sent = None
-        sock = self.channel.sock
+        sock = channel.sock
         selector = selectors.DefaultSelector()
         try:
             selector.register(sock, selectors.EVENT_READ)
@@ -166,18 +232,18 @@ class Reporter(threading.Thread):
                 where = self.position()
                 if where != sent:
                     step, phase, detail = where
-                    self.channel.send({"rank": self.rank,
-                                       "position": [step, phase, detail[:auth.MAX_DETAIL]]})
+                    channel.send({"rank": self.rank,
+                                  "position": [step, phase, detail[:auth.MAX_DETAIL]]})
                     sent = where
                 if selector.select(self.interval):
                     data = sock.recv(4096)
                     if not data:
                         return  # rank 0 went away: the job is ending
-                    for _ in self.channel.receive(data):  # "stacks", the only request
+                    for _ in channel.receive(data):  # "stacks", the only request
                         print(f"mgpu: stall: rank {self.rank}'s Python stacks (asked by rank 0):",
                               file=sys.stderr, flush=True)
                         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        except (OSError, ValueError):  # ValueError: _auth.Rejected, or the socket was closed
+        except (OSError, ValueError):  # ValueError: auth.Rejected, or the socket was closed
             return
         finally:
             selector.close()
@@ -185,9 +251,11 @@ class Reporter(threading.Thread):
 
     def stop(self) -> None:
         self.stopped.set()
-        try:
-            self.channel.sock.shutdown(socket.SHUT_RDWR)  # wakes run(), which closes it
-        except OSError:
-            pass
+        channel = self.channel
+        if channel is not None:
+            try:
+                channel.sock.shutdown(socket.SHUT_RDWR)  # wakes run(), which closes it
+            except OSError:
+                pass
         if self.is_alive() and self is not threading.current_thread():
             self.join(2 * self.interval)

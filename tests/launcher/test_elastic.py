@@ -141,6 +141,64 @@ def test_a_failing_discovery_script_is_an_error_not_a_crash(tmp_path, body, mess
         discovery.discover(elastickit.executable(tmp_path / "d.sh", body), timeout=0.5)
 
 
+def test_discovery_output_is_bounded_in_size_and_lines(tmp_path):
+    # Issue 37: a 400 MB "host name" took the launcher to 1.5 GB of memory.
+    with pytest.raises(discovery.DiscoveryError,
+                       match=rf"printed more than {discovery.MAX_OUTPUT_BYTES} bytes"):
+        discovery.discover(elastickit.executable(
+            tmp_path / "big.sh", "head -c 50000000 /dev/zero | tr '\\0' a; echo :1"))
+    with pytest.raises(discovery.DiscoveryError,
+                       match=rf"printed more than {discovery.MAX_LINES} lines"):
+        discovery.discover(elastickit.executable(
+            tmp_path / "long.sh", f"yes node1:1 | head -n {discovery.MAX_LINES + 1}"))
+
+
+def test_host_names_that_are_not_host_names_are_skipped_with_the_reason(tmp_path):
+    hosts = discovery.discover(elastickit.executable(tmp_path / "d.sh", "printf '%s\\n' "
+                               "'-Hnode9:2' '--mca:1' 'node1:2' 'a..b:1' 'node-2.example.org:1' "
+                               "'node$(id):1' 'x-:1'"))
+    assert hosts.slots == (("node1", 2), ("node-2.example.org", 1))  # never `mpirun -H -H...`
+    expected = ("a host name: letters, digits, '-' and '_' in dot-separated labels of 1 to 63 "
+                "characters, none starting or ending with '-'")
+    assert [p.split(", ", 1)[1] for p in hosts.problems] == [
+        f"line 1: '-Hnode9' skipped: expected {expected}",
+        f"line 2: '--mca' skipped: expected {expected}",
+        f"line 4: 'a..b' skipped: expected {expected}",
+        f"line 6: 'node$(id)' skipped: expected {expected}",
+        f"line 7: 'x-' skipped: expected {expected}"]
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("body, message", [
+    ("sleep 300 & echo $! > {pid}; echo node1:1",
+     r"exited \(status 0\), but a process it started kept its output open for 1 s"),
+    ("sleep 300 & echo $! > {pid}; sleep 300", "did not finish in 1 s"),
+])
+def test_a_script_past_its_time_has_its_whole_process_group_ended(tmp_path, body, message):
+    pid = tmp_path / "child.pid"
+    script = elastickit.executable(tmp_path / "d.sh", body.format(pid=pid))
+    started = time.monotonic()
+    try:
+        with pytest.raises(discovery.DiscoveryError, match=message + ".*process group was ended"):
+            discovery.discover(script, timeout=1)
+        assert time.monotonic() - started < 10
+        child = int(pid.read_text())
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child), "the script's background child was left running"
+    finally:
+        if pid.exists() and _alive(int(pid.read_text())):
+            os.kill(int(pid.read_text()), signal.SIGKILL)
+
+
 def test_a_blacklisted_host_cools_down_longer_after_each_failure():
     now = [100.0]
     blacklist = discovery.Blacklist(10, clock=lambda: now[0])

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from conftest import (ROOT, SCRIPTS, assert_ok, explain, find_mpirun, job_env, launch, launch_ok,
-                      requires_mpirun)
+from conftest import (ROOT, SCRIPTS, assert_ok, explain, find_mpirun, gone_after_kill, job_env,
+                      launch, launch_ok, processes_mentioning, requires_mpirun)
 
 REPORT = os.path.join(SCRIPTS, "report.py")
 FAIL = os.path.join(SCRIPTS, "fail.py")
@@ -144,6 +144,28 @@ def test_sigterm_to_the_launcher_leaves_nothing_behind(tmp_path):
         alive = [pid for pid in pids if _alive(pid)]
         time.sleep(0.1)
     assert not alive, f"ranks still running: {alive}"
+
+
+def test_sigkill_to_the_launcher_leaves_no_process(tmp_path):
+    # No handler runs on SIGKILL: the attempt's reaper, a process of its own, ends the job.
+    pidfile, log = str(tmp_path / "pid"), tmp_path / "stderr"
+    with open(log, "w") as stderr:  # a file: the reaper may hold it open a few seconds more
+        proc = subprocess.Popen([sys.executable, "-m", "mgpu_launcher", "-np", "2", FAIL, "hang",
+                                 "99", pidfile], cwd=ROOT, env=job_env(),
+                                stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        deadline = time.monotonic() + 240  # a loaded 2-core box starts ranks slowly
+        while len(glob.glob(pidfile + ".*")) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.1)
+        assert len(processes_mentioning(pidfile)) >= 3  # mgpu-train, mpirun, the ranks
+        gone = gone_after_kill(proc, pidfile)
+    finally:
+        if proc.poll() is None:
+            gone_after_kill(proc, pidfile)
+    assert gone is not None, f"the job outlived mgpu-train's SIGKILL by 30 s\n{log.read_text()}"
+    assert gone < 20, f"the job was gone only {gone:.1f} s after mgpu-train's SIGKILL"
+    print(f"job gone {gone:.1f} s after mgpu-train's SIGKILL")
 
 
 def _alive(pid):

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from conftest import SCRIPTS, explain, job_env, requires_mpirun
+from conftest import (SCRIPTS, explain, gone_after_kill, job_env, processes_mentioning,
+                      requires_mpirun)
 
 pytestmark = [requires_mpirun, pytest.mark.job]
 sys.path.insert(0, SCRIPTS)
@@ -126,14 +127,6 @@ HANGING_DRIVER = textwrap.dedent("""
 """)
 
 
-def processes_mentioning(text):
-    """`ps` lines (pid, state, command) of live processes whose command line holds `text`."""
-    listing = subprocess.run(["ps", "-ww", "-eo", "pid=,stat=,args="], capture_output=True,
-                             text=True, check=True).stdout  # -ww: whole lines, whatever COLUMNS
-    return [line.strip() for line in listing.splitlines()
-            if text in line and line.split(None, 2)[1][0] != "Z"]
-
-
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "sigkill"])
 def test_a_caller_interrupted_or_killed_while_its_thread_waits_leaves_no_rank(how, tmp_path):
     prefix, work_dir = str(tmp_path / "pid"), str(tmp_path / "work")
@@ -159,3 +152,40 @@ def test_a_caller_interrupted_or_killed_while_its_thread_waits_leaves_no_rank(ho
         time.sleep(0.2)
     assert not processes_mentioning(work_dir), (processes_mentioning(work_dir), err)
     assert "the job was stopped" in err, err
+
+
+# The main thread's signal handlers cannot catch SIGKILL: the reaper covers that caller too.
+MAIN_THREAD_DRIVER = textwrap.dedent("""
+    import sys
+    import mgpu_launch, run_fns
+
+    mgpu_launch.run(run_fns.hang, args=(sys.argv[1],), np=2)
+""")
+
+
+def test_a_main_thread_caller_killed_leaves_no_rank_and_no_run_folder(tmp_path):
+    prefix, temp, log = str(tmp_path / "pid"), tmp_path / "tmp", tmp_path / "stderr"
+    temp.mkdir()  # the driver's TMPDIR: its mgpu-run-* folder lands in here
+    with open(log, "w") as stderr:  # a file: the reaper may hold it open a few seconds more
+        driver = subprocess.Popen([sys.executable, "-c", MAIN_THREAD_DRIVER, prefix],
+                                  env={**os.environ, "TMPDIR": str(temp)},
+                                  stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        deadline = time.monotonic() + 240  # a loaded 2-core box starts ranks slowly
+        while len(glob.glob(prefix + ".*")) < 2:
+            assert time.monotonic() < deadline and driver.poll() is None, log.read_text()
+            time.sleep(0.1)
+        folders = glob.glob(str(temp / "mgpu-run-*"))
+        assert len(folders) == 1, folders
+        assert len(processes_mentioning(folders[0])) >= 3  # mpirun and the ranks
+        gone = gone_after_kill(driver, folders[0])
+    finally:
+        if driver.poll() is None:
+            gone_after_kill(driver, str(temp))
+    assert gone is not None, f"the job outlived its SIGKILLed caller by 30 s\n{log.read_text()}"
+    assert gone < 20, f"the job was gone only {gone:.1f} s after its caller's SIGKILL"
+    deadline = time.monotonic() + 10  # the reaper removes it once the ranks are gone
+    while os.path.exists(folders[0]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(folders[0]), "the run folder was left behind"
+    print(f"job gone {gone:.1f} s after the caller's SIGKILL")
