@@ -193,6 +193,19 @@ def processes_mentioning(text):
             if text in line and line.split(None, 2)[1][0] != "Z"]
 
 
+def wait_for_ranks(prefix, count, process, log, limit=240.0):
+    """Wait until `count` ranks have written their ``<prefix>.<rank>`` pid files
+    (tests/scripts/fail.py hang, run_fns.hang) while `process` runs; fails the test with the log
+    file's text when it exits first or `limit` s pass (a loaded 2-core box starts ranks
+    slowly)."""
+    import glob
+    import time
+    deadline = time.monotonic() + limit
+    while len(glob.glob(prefix + ".*")) < count:
+        assert time.monotonic() < deadline and process.poll() is None, log.read_text()
+        time.sleep(0.1)
+
+
 def gone_after_kill(victim, text, limit=30.0):
     """SIGKILL `victim` (a Popen); seconds until no process mentioning `text` is left.
 

@@ -21,16 +21,8 @@ set -u
 export PYTHONUNBUFFERED=1 EXACTNESS_FP32=1 NVIDIA_TF32_OVERRIDE=0 \
        JAX_DEFAULT_MATMUL_PRECISION=highest TF_CPP_MIN_LOG_LEVEL=2 \
        XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_deterministic_ops=true"
-[ -d /tmp/tfgpu/root/site/tensorflow ] || bash /tmp/tfgpu/setup.sh || exit 1
-. benchmarks/gpu_setup.sh || exit 1
-. /tmp/tfgpu/env.sh
-out=${OUT:-/tmp/out}
-mkdir -p "$out"
-date -u
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+. benchmarks/gpu_stages.sh || exit 1  # set-up, versions, run_stages
 nvidia-smi topo -m | head -4
-python3 -c "import tensorflow as tf, jax, torch, keras; print('tensorflow', tf.__version__, \
-'jax', jax.__version__, 'torch', torch.__version__, 'keras', keras.__version__)" 2>/dev/null
 
 matrix() {  # backend, pytest -k expression, log folder
   KERAS_BACKEND=$1 timeout "${MATRIX_TIMEOUT:-560}" python3 -m pytest -v -p no:cacheprovider \
@@ -54,11 +46,4 @@ stage_tf_paths() {
   grep -E "^(FAILED|ERROR)" "$1/paths.log" | head -20
 }
 
-for stage in "$@"; do
-  work=$(mktemp -d); start=$SECONDS
-  echo "=== $stage"
-  "stage_$stage" "$work"
-  echo "=== $stage: $((SECONDS - start)) s"
-  tar -C "$work" -czf "$out/$stage.tgz" . && rm -rf "$work"
-done
-date -u
+run_stages "$@"

@@ -16,15 +16,7 @@
 #           float32 + mixed_bfloat16, device + host data, --profile, 1 GPU
 set -u
 export PYTHONUNBUFFERED=1 OMPI_MCA_rmaps_base_oversubscribe=1
-[ -d /tmp/tfgpu/root/site/tensorflow ] || bash /tmp/tfgpu/setup.sh || exit 1
-. benchmarks/gpu_setup.sh || exit 1
-. /tmp/tfgpu/env.sh
-out=${OUT:-/tmp/out}
-mkdir -p "$out"
-date -u
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import tensorflow as tf, jax, torch, keras; print('tensorflow', tf.__version__, \
-'jax', jax.__version__, 'torch', torch.__version__, 'keras', keras.__version__)" 2>/dev/null
+. benchmarks/gpu_stages.sh || exit 1  # set-up, versions, run_stages
 
 stage_checks() {
   NVIDIA_TF32_OVERRIDE=0 python3 benchmarks/tf_gpu/checks.py "$1/checks.json" \
@@ -61,11 +53,4 @@ stage_bench() {
   echo "bench: exit $?"; tail -25 "$1/bench.log"; rm -f "$1/bench/results.png"
 }
 
-for stage in "$@"; do
-  work=$(mktemp -d); start=$SECONDS
-  echo "=== $stage"
-  "stage_$stage" "$work"
-  echo "=== $stage: $((SECONDS - start)) s"
-  tar -C "$work" -czf "$out/$stage.tgz" . && rm -rf "$work"
-done
-date -u
+run_stages "$@"

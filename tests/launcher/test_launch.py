@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import (ROOT, SCRIPTS, assert_ok, explain, find_mpirun, gone_after_kill, job_env,
-                      launch, launch_ok, processes_mentioning, requires_mpirun)
+                      launch, launch_ok, processes_mentioning, requires_mpirun, wait_for_ranks)
 
 REPORT = os.path.join(SCRIPTS, "report.py")
 FAIL = os.path.join(SCRIPTS, "fail.py")
@@ -154,10 +154,7 @@ def test_sigkill_to_the_launcher_leaves_no_process(tmp_path):
                                  "99", pidfile], cwd=ROOT, env=job_env(),
                                 stdout=subprocess.DEVNULL, stderr=stderr)
     try:
-        deadline = time.monotonic() + 240  # a loaded 2-core box starts ranks slowly
-        while len(glob.glob(pidfile + ".*")) < 2:
-            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
-            time.sleep(0.1)
+        wait_for_ranks(pidfile, 2, proc, log)
         assert len(processes_mentioning(pidfile)) >= 3  # mgpu-train, mpirun, the ranks
         gone = gone_after_kill(proc, pidfile)
     finally:

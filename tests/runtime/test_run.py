@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from conftest import (SCRIPTS, explain, gone_after_kill, job_env, processes_mentioning,
-                      requires_mpirun)
+from conftest import (SCRIPTS, gone_after_kill, job_env, processes_mentioning,
+                      requires_mpirun, wait_for_ranks)
 
 pytestmark = [requires_mpirun, pytest.mark.job]
 sys.path.insert(0, SCRIPTS)
@@ -171,10 +171,7 @@ def test_a_main_thread_caller_killed_leaves_no_rank_and_no_run_folder(tmp_path):
                                   env={**os.environ, "TMPDIR": str(temp)},
                                   stdout=subprocess.DEVNULL, stderr=stderr)
     try:
-        deadline = time.monotonic() + 240  # a loaded 2-core box starts ranks slowly
-        while len(glob.glob(prefix + ".*")) < 2:
-            assert time.monotonic() < deadline and driver.poll() is None, log.read_text()
-            time.sleep(0.1)
+        wait_for_ranks(prefix, 2, driver, log)
         folders = glob.glob(str(temp / "mgpu-run-*"))
         assert len(folders) == 1, folders
         assert len(processes_mentioning(folders[0])) >= 3  # mpirun and the ranks

@@ -111,6 +111,14 @@ def test_a_link_left_in_ones_own_folder_is_removed_not_written_through(tmp_path)
     assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
 
 
+def _assert_untouched(model, before):
+    """The refused backup left the model as it was: the rate of _model() and `before`'s
+    weights, bit for bit."""
+    assert _learning_rate(model) == pytest.approx(0.1)
+    for got, want in zip(model.get_weights(), before, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("state, why", [
     ({"size": -2, "steps": 4}, r"size=-2, expected a whole number >= 1"),
     ({"size": 1.5, "steps": 4}, r"size=1.5, expected a whole number >= 1"),
@@ -129,9 +137,7 @@ def test_a_backup_whose_state_is_out_of_range_is_refused_and_the_rate_never_nega
     with pytest.raises(ValueError, match=rf"BackupAndRestore: refused the backup "
                                          rf"{path}: .*{why}.*Nothing of it was used"):
         _fit(model, _backup(tmp_path / "backup"), epochs=3)
-    assert _learning_rate(model) == pytest.approx(0.1)
-    for got, want in zip(model.get_weights(), before, strict=True):
-        np.testing.assert_array_equal(got, want)
+    _assert_untouched(model, before)
 
 
 def test_a_backup_with_a_learning_rate_that_is_not_finite_is_refused(tmp_path):
@@ -147,6 +153,4 @@ def test_a_backup_with_a_learning_rate_that_is_not_finite_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"refused the backup .*epoch-1.weights.h5: the "
                                          r"restored learning rate is nan, expected a finite"):
         _fit(model, _backup(tmp_path / "backup"), epochs=3)
-    assert _learning_rate(model) == pytest.approx(0.1)
-    for got, want in zip(model.get_weights(), before, strict=True):
-        np.testing.assert_array_equal(got, want)
+    _assert_untouched(model, before)
