@@ -167,6 +167,11 @@ _HOST_OPTIONS = ("-H", "--host", "-host", "-hosts", "--hostfile", "-hostfile", "
                  "--dvm")
 
 
+def names_hosts(extra: Sequence[str]) -> bool:
+    """Whether the extra mpirun arguments name hosts (``--host``, ``--hostfile``, ...)."""
+    return any(arg.split("=")[0] in _HOST_OPTIONS for arg in extra)
+
+
 def one_host(hosts: Optional[str], hostfile: Optional[str], extra: Sequence[str],
              environ: Mapping[str, str]) -> bool:
     """Whether every rank of the job will run on this host.
@@ -181,7 +186,7 @@ def one_host(hosts: Optional[str], hostfile: Optional[str], extra: Sequence[str]
         >>> one_host(None, None, ("--host", "node2"), {})
         False
     """
-    if hostfile or any(arg.split("=")[0] in _HOST_OPTIONS for arg in extra):
+    if hostfile or names_hosts(extra):
         return False
     if hosts:
         own = {"localhost", "127.0.0.1", socket.gethostname()}
