@@ -124,3 +124,17 @@ def test_the_elastic_launcher_uses_the_operators_discovery_script():
         "replicas"]
     assert int(options.min_np) <= int(options.np) == slots * replicas <= int(options.max_np)
     assert int(options.min_np) % slots == 0 and int(options.max_np) % slots == 0
+
+
+@pytest.mark.parametrize("name", crd_fields.MANIFESTS, ids=os.path.basename)
+def test_workers_run_sshd_as_the_images_user_with_the_operators_key_layout(name):
+    job = _load(name)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "Dockerfile")) as dockerfile:
+        text = dockerfile.read()
+    worker = job["spec"]["mpiReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert worker["containers"][0]["command"] == ["/usr/sbin/sshd"]
+    config = worker["containers"][0]["args"][-1]
+    assert job["spec"]["sshAuthMountPath"] == "/home/mgpu/.ssh"
+    assert config == "/home/mgpu/.sshd_config" and config in text and "openssh-server" in text
+    assert worker["securityContext"]["runAsUser"] == 10001 and "--uid 10001" in text
