@@ -160,7 +160,10 @@ def detect_flavour(mpirun: str) -> Flavour:
 
 #: variables of resource managers whose allocation Open MPI reads when no host is named: a job
 #: started inside such an allocation may span its hosts (Slurm is told apart by its node count)
-_ALLOCATIONS = ("PBS_NODEFILE", "LSB_HOSTS", "LSB_MCPU_HOSTS", "PE_HOSTFILE", "FLUX_URI")
+_ALLOCATIONS = ("PBS_NODEFILE", "LSB_HOSTS", "LSB_MCPU_HOSTS", "PE_HOSTFILE", "FLUX_URI",
+                # a default hostfile given to Open MPI / PRRTE through the environment (the MPI
+                # Operator sets the first; Open MPI 5 honours the second)
+                "OMPI_MCA_orte_default_hostfile", "PRTE_MCA_prte_default_hostfile")
 #: mpirun options (all flavours) that name hosts, so that --mpirun-args can make a job span them
 _HOST_OPTIONS = ("-H", "--host", "-host", "-hosts", "--hostfile", "-hostfile", "-f",
                  "--machinefile", "-machinefile", "--default-hostfile", "--rankfile", "-rf",
