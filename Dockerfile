@@ -25,7 +25,8 @@ ARG EXTRA=tensorflow
 ARG KERAS_BACKEND=tensorflow
 
 # PIP_NO_CACHE_DIR keeps pip's download cache out of the layer (scripts/install.sh stays as CI
-# runs it). openssh-client: mpirun starts ranks on other hosts over ssh.
+# runs it). openssh-client: mpirun starts ranks on other hosts over ssh; openssh-server: the
+# worker role (below).
 ENV DEBIAN_FRONTEND=noninteractive \
     PIP_NO_CACHE_DIR=1 \
     PYTHONUNBUFFERED=1 \
@@ -37,12 +38,29 @@ ENV DEBIAN_FRONTEND=noninteractive \
 # --allow-run-as-root, and a container needs no root. A numeric id above the images' own users
 # (Ubuntu 24.04 has uid 1000) so `USER` resolves without the image's /etc/passwd.
 # Versions are not pinned: they come from whichever BASE_IMAGE's apt sources.
+#
+# Two roles, one image (examples/kubernetes/, Kubeflow's MPI Operator): the launcher runs
+# mgpu-train; a worker runs only `/usr/sbin/sshd -De -f /home/mgpu/.sshd_config` as this user,
+# on port 2222 (a non-root sshd cannot bind 22). The operator mounts the job's key pair
+# (id_rsa, id_rsa.pub, authorized_keys) at the MPIJob's sshAuthMountPath, /home/mgpu/.ssh:
+# sshd takes id_rsa as its host key, and with StrictModes off accepts the mounted files' modes.
+# The ssh client (the launcher's mpirun) goes to port 2222 and keeps no known_hosts: the mount
+# is read-only and the workers' names are new in every job.
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv openssh-client \
- && rm -rf /var/lib/apt/lists/* \
+        openssh-server \
+ && rm -rf /var/lib/apt/lists/* /etc/ssh/ssh_host_*_key* \
+ && mkdir -p /run/sshd \
+ && printf '%s\n' 'Host *' '    Port 2222' '    StrictHostKeyChecking no' \
+        '    UserKnownHostsFile /dev/null' >/etc/ssh/ssh_config.d/mgpu-mpi-operator.conf \
  && python3 -m venv /opt/venv \
- && useradd --create-home --uid 10001 --shell /bin/bash mgpu
+ && useradd --create-home --uid 10001 --shell /bin/bash mgpu \
+ && printf '%s\n' 'Port 2222' 'HostKey /home/mgpu/.ssh/id_rsa' 'PidFile /home/mgpu/sshd.pid' \
+        'AuthorizedKeysFile /home/mgpu/.ssh/authorized_keys' 'StrictModes no' \
+        'PasswordAuthentication no' 'KbdInteractiveAuthentication no' \
+        >/home/mgpu/.sshd_config \
+ && chown mgpu:mgpu /home/mgpu/.sshd_config
 
 # Only what the package needs (and the examples), so edits elsewhere keep the cache.
 WORKDIR /opt/mgpu-launch

@@ -161,6 +161,11 @@ SETTINGS: Dict[str, Setting] = _declare(
     _("MGPU_MERGE_SECONDS", "seconds", DEFAULT_WINDOW, LAUNCHER,
       "how long a stderr line waits for the other ranks' copies, to be shown once (0: never "
       "merge)", low=0, expected="a number of seconds >= 0 (0 turns merging off)", example="3"),
+    _("MGPU_SLOTS_PER_HOST", "integer", None, LAUNCHER,
+      "processes per host named without slots (a bare name in a hostfile or discovery "
+      "output), as `--slots-per-host`", low=1, expected="a whole number of processes per "
+      "host >= 1 (its GPUs)", example="4",
+      shown_default="$OMPI_MCA_orte_set_default_slots (MPI Operator), else 1"),
     _("MGPU_HOST_DISCOVERY_SCRIPT", "text", None, LAUNCHER,
       "as `--host-discovery-script`: an executable printing HOST:SLOTS lines; elastic mode",
       example="./discover.sh", shown_default="off"),

@@ -22,8 +22,8 @@ import shlex
 import sys
 from typing import List, Optional, Sequence, Tuple
 
-from mgpu_launcher import (__version__, devices, elastic, environments, mpirun, settings,
-                           supervisor, worker)
+from mgpu_launcher import (__version__, devices, elastic, environments, hostfiles, mpirun,
+                           settings, supervisor, worker)
 
 PROG = "mgpu-train"
 
@@ -37,7 +37,6 @@ FORWARDED_PREFIXES = ("MGPU_", "NCCL_", "XLA_", "TF_", "JAX_", "CUDA_", "OMP_")
 KERAS_BACKENDS = ("tensorflow", "jax", "torch")
 
 _HOST_ENTRY = re.compile(r"^[A-Za-z0-9_.\-]+(:\d+)?$")
-_HOSTFILE_LINE = re.compile(r"^\S+(\s+(slots|max_slots|max-slots)\s*=\s*\d+)*\s*$")
 
 
 class UsageError(Exception):
@@ -70,6 +69,8 @@ class Config:
     max_restarts: int = 0
     merge_window: Optional[float] = None  # MGPU_MERGE_SECONDS (None: merge.DEFAULT_WINDOW)
     elastic_options: Optional[elastic.Options] = None  # --host-discovery-script given
+    placement: Optional[hostfiles.Placement] = None  # a hostfile, given or the MPI Operator's
+    slots_per_host: Optional[str] = None  # --slots-per-host as given (for --env)
 
 
 def get_parser() -> argparse.ArgumentParser:
@@ -85,7 +86,11 @@ def get_parser() -> argparse.ArgumentParser:
                      help="start N processes through mpirun; 'auto' = one per visible GPU "
                           "(1 without GPUs). Leave out under mpirun/srun.")
     job.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...", help="hosts to run on")
-    job.add_argument("--hostfile", metavar="FILE", help="Open MPI hostfile ('host slots=N')")
+    job.add_argument("--hostfile", metavar="FILE", help="Open MPI hostfile ('host slots=N'; "
+                     "default: $OMPI_MCA_orte_default_hostfile, as the MPI Operator sets it)")
+    job.add_argument("--slots-per-host", metavar="N", help="processes on each host listed "
+                     "without slots (hostfile, discovery script); default: $MGPU_SLOTS_PER_HOST, "
+                     "then $OMPI_MCA_orte_set_default_slots (the MPIJob's slotsPerWorker), else 1")
     job.add_argument("--mpirun", metavar="PATH", help="the mpirun to use (default: the one "
                      "pip installed beside this Python, then mpirun on PATH)")
     job.add_argument("--mpirun-args", metavar="'ARGS'", default="",
@@ -181,26 +186,6 @@ def _check_hosts(hosts: str) -> None:
                              f"HOST:SLOTS, comma-separated, e.g. -H node1:4,node2:4")
 
 
-def _check_hostfile(path: str) -> None:
-    try:
-        with open(path) as hostfile:
-            lines = hostfile.read().splitlines()
-    except OSError as error:
-        raise UsageError(f"--hostfile {path!r} cannot be read: {error.strerror}") from None
-    hosts = 0
-    for number, line in enumerate(lines, 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        if not _HOSTFILE_LINE.match(line):
-            raise UsageError(f"--hostfile {path}:{number}: {line!r} does not parse; expected "
-                             f"'HOST [slots=N]' per line, e.g. 'node1 slots=4'")
-        hosts += 1
-    if hosts == 0:
-        raise UsageError(f"--hostfile {path!r} names no host; expected lines like "
-                         f"'node1 slots=4'")
-
-
 def _check_script(target: str) -> None:
     """A script path python could run: a file, or a folder with __main__.py (as python)."""
     if os.path.isdir(target):
@@ -236,15 +221,15 @@ def parse_args(argv: Sequence[str]) -> Config:
     own, kind, target, args = split_argv(parser, argv)
     options = parser.parse_args(own)
     if options.env_report:  # prints the report, runs nothing (and shows bad settings)
-        return Config(kind=kind, target=target, args=tuple(args), np=None, env_report=True)
+        return Config(kind=kind, target=target, args=tuple(args), np=None, env_report=True,
+                      hostfile=options.hostfile, slots_per_host=options.slots_per_host)
     _check_settings(options.forward)
     np = _parse_np(options.np)
     max_restarts = _parse_max_restarts(options.max_restarts)
     if options.hosts:
         _check_hosts(options.hosts)
-    if options.hostfile:
-        _check_hostfile(options.hostfile)
     standalone_only = {"--hosts": options.hosts, "--hostfile": options.hostfile,
+                       "--slots-per-host": options.slots_per_host,
                        "--mpirun": options.mpirun, "--mpirun-args": options.mpirun_args,
                        "-x": options.forward, "--output-dir": options.output_dir,
                        "--all-ranks-output": options.all_ranks_output,
@@ -281,13 +266,21 @@ def parse_args(argv: Sequence[str]) -> Config:
                          "--hostfile")
     if grow and options.max_restarts is None and not settings.is_set("MGPU_MAX_RESTARTS"):
         max_restarts = elastic.DEFAULT_MAX_RESTARTS
-    return Config(kind=kind, target=target, args=tuple(args), np=np, hosts=options.hosts,
-                  hostfile=options.hostfile, mpirun=options.mpirun,
+    try:  # the discovery script's bare host names get the slots a hostfile's would
+        placement = hostfiles.placement_for(np, options) if np and not grow else None
+        if grow:
+            grow = dataclasses.replace(grow, bare_slots=hostfiles.slots_per_host(
+                options.slots_per_host, os.environ)[0] or 1)
+    except hostfiles.HostfileError as error:
+        raise UsageError(str(error)) from None
+    return Config(kind=kind, target=target, args=tuple(args), np=np,
+                  hosts=options.hosts or (placement.hosts if placement else None),
+                  hostfile=placement.hostfile if placement else None, mpirun=options.mpirun,
                   mpirun_args=tuple(shlex.split(options.mpirun_args)),
                   forward=tuple(options.forward), output_dir=options.output_dir,
                   all_ranks_output=options.all_ranks_output, pin=options.pin,
                   dry_run=options.dry_run, max_restarts=max_restarts, elastic_options=grow,
-                  merge_window=settings.seconds("MGPU_MERGE_SECONDS"))
+                  merge_window=settings.seconds("MGPU_MERGE_SECONDS"), placement=placement)
 
 
 def worker_command(config: Config) -> List[str]:
@@ -325,6 +318,8 @@ def build_job(config: Config) -> Tuple[List[str], mpirun.Flavour, dict]:
     path = mpirun.find_mpirun(config.mpirun)
     flavour = mpirun.detect_flavour(path)
     env, names = job_environment(config)
+    if config.placement:  # mpirun sees only the hosts placed here (Open MPI 4 read it too)
+        env.pop(hostfiles.HOSTFILE_VARIABLE, None)
     if mpirun.one_host(config.hosts, config.hostfile, config.mpirun_args, env):
         for name, value in flavour.one_host_env:  # the user's own setting wins
             env.setdefault(name, value)
@@ -340,7 +335,7 @@ def run(config: Config) -> int:
     """Carry out a parsed command line; returns the exit status."""
     if config.env_report:
         from mgpu_launcher import envreport
-        print(envreport.report())
+        print(envreport.report(config.hostfile, config.slots_per_host))
         return 0
     if config.np is None:  # warns about unknown settings on rank 0
         return worker.run(config.kind, config.target, config.args, pin=config.pin)
@@ -354,6 +349,8 @@ def run(config: Config) -> int:
             merge_window=config.merge_window, max_restarts=config.max_restarts,
             dry_run=config.dry_run)
     command, flavour, env = build_job(config)
+    if config.placement and not config.dry_run:
+        print(f"{PROG}: hosts: {config.placement.describe()}", file=sys.stderr, flush=True)
     if config.dry_run:
         print(shlex.join(command))
         return 0

@@ -60,8 +60,12 @@ class Hosts:
         return Hosts(tuple((h, n) for h, n in self.slots if h not in excluded), self.problems)
 
 
-def parse(text: str, source: str = "the discovery script") -> Hosts:
+def parse(text: str, source: str = "the discovery script", bare_slots: int = 1) -> Hosts:
     """Read ``HOST[:SLOTS]`` lines; blank lines and ``#`` comments are ignored.
+
+    Args:
+        bare_slots: the slots of a ``HOST`` line without ``:SLOTS`` (``--slots-per-host``: the
+            MPI Operator's ``discover_hosts.sh`` prints bare names).
 
     Returns:
         The hosts with at least one slot, in order (a host listed twice: its first line), and
@@ -78,7 +82,7 @@ def parse(text: str, source: str = "the discovery script") -> Hosts:
             problems.append(f"{source}, line {number}: {line[:80]!r} skipped: expected "
                             f"HOST:SLOTS, e.g. node1:4")
             continue
-        host, count = match.group(1), int(match.group(2) or 1)
+        host, count = match.group(1), int(match.group(2) or bare_slots)
         if not is_host_name(host):
             problems.append(f"{source}, line {number}: {host[:80]!r} skipped: expected "
                             f"{_HOST_NAME}")
@@ -96,8 +100,8 @@ def is_host_name(host: str) -> bool:
     return len(host) <= 253 and all(_LABEL.match(label) for label in host.split("."))
 
 
-def discover(script: str, timeout: float = SCRIPT_TIMEOUT_S) -> Hosts:
-    """Run `script` and parse its output.
+def discover(script: str, timeout: float = SCRIPT_TIMEOUT_S, bare_slots: int = 1) -> Hosts:
+    """Run `script` and parse its output (`bare_slots`: see :func:`parse`).
 
     Raises:
         DiscoveryError: it could not be started, ran past `timeout` (its process group is then
@@ -109,7 +113,7 @@ def discover(script: str, timeout: float = SCRIPT_TIMEOUT_S) -> Hosts:
         last = err.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
         raise DiscoveryError(f"{script} exited with status {status}"
                              + (f": {last[0][:200]}" if last[0] else ""))
-    hosts = parse(out.decode("utf-8", "replace"), script)
+    hosts = parse(out.decode("utf-8", "replace"), script, bare_slots)
     if not hosts.slots:
         why = f" ({'; '.join(hosts.problems)})" if hosts.problems else ""
         raise DiscoveryError(f"{script} listed no host with a slot{why}")

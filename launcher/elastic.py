@@ -51,6 +51,7 @@ class Options:
     max_np: Optional[int]  # None: as many as discovery offers
     timeout: float = DEFAULT_TIMEOUT_S
     cooldown: float = DEFAULT_COOLDOWN_S
+    bare_slots: int = 1  # slots of a host printed without :SLOTS (--slots-per-host)
 
 
 def _number(value: str, source: str, convert, least, example: str):
@@ -169,7 +170,8 @@ class Watcher:
     def reason(self) -> Optional[str]:
         """Why the job should restart with another size now, or None."""
         try:
-            hosts = discovery.discover(self.options.script)
+            hosts = discovery.discover(self.options.script,
+                                       bare_slots=self.options.bare_slots)
         except discovery.DiscoveryError as error:
             self.note(f"discovery failed, the job goes on as it is: {error}")
             return None
@@ -195,7 +197,7 @@ def wait_for_slots(options: Options, blacklist: discovery.Blacklist, note: _Note
     while True:
         blocked = blacklist.blocked()
         try:
-            found = discovery.discover(options.script)
+            found = discovery.discover(options.script, bare_slots=options.bare_slots)
             for problem in found.problems:
                 note(problem)
             usable = found.without(blocked)
@@ -332,7 +334,8 @@ def run_job(options: Options, build: Callable, *, all_ranks: bool, output_dir: O
 
     if dry_run:
         try:
-            np, hosts_arg = discovery.place(discovery.discover(options.script), options.max_np)
+            found = discovery.discover(options.script, bare_slots=options.bare_slots)
+            np, hosts_arg = discovery.place(found, options.max_np)
         except discovery.DiscoveryError as error:
             say(f"--dry-run: {error}")
             return 2

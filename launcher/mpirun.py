@@ -160,11 +160,19 @@ def detect_flavour(mpirun: str) -> Flavour:
 
 #: variables of resource managers whose allocation Open MPI reads when no host is named: a job
 #: started inside such an allocation may span its hosts (Slurm is told apart by its node count)
-_ALLOCATIONS = ("PBS_NODEFILE", "LSB_HOSTS", "LSB_MCPU_HOSTS", "PE_HOSTFILE", "FLUX_URI")
+_ALLOCATIONS = ("PBS_NODEFILE", "LSB_HOSTS", "LSB_MCPU_HOSTS", "PE_HOSTFILE", "FLUX_URI",
+                # a default hostfile given to Open MPI / PRRTE through the environment (the MPI
+                # Operator sets the first; Open MPI 5 honours the second)
+                "OMPI_MCA_orte_default_hostfile", "PRTE_MCA_prte_default_hostfile")
 #: mpirun options (all flavours) that name hosts, so that --mpirun-args can make a job span them
 _HOST_OPTIONS = ("-H", "--host", "-host", "-hosts", "--hostfile", "-hostfile", "-f",
                  "--machinefile", "-machinefile", "--default-hostfile", "--rankfile", "-rf",
                  "--dvm")
+
+
+def names_hosts(extra: Sequence[str]) -> bool:
+    """Whether the extra mpirun arguments name hosts (``--host``, ``--hostfile``, ...)."""
+    return any(arg.split("=")[0] in _HOST_OPTIONS for arg in extra)
 
 
 def one_host(hosts: Optional[str], hostfile: Optional[str], extra: Sequence[str],
@@ -181,7 +189,7 @@ def one_host(hosts: Optional[str], hostfile: Optional[str], extra: Sequence[str]
         >>> one_host(None, None, ("--host", "node2"), {})
         False
     """
-    if hostfile or any(arg.split("=")[0] in _HOST_OPTIONS for arg in extra):
+    if hostfile or names_hosts(extra):
         return False
     if hosts:
         own = {"localhost", "127.0.0.1", socket.gethostname()}

@@ -167,6 +167,8 @@ def test_mpich_command_uses_hydra_spelling():
     (None, None, (), {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2"}, False),
     (None, None, (), {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1"}, True),
     (None, None, (), {"PBS_NODEFILE": "/var/spool/pbs/aux/1"}, False),
+    (None, None, (), {"PRTE_MCA_prte_default_hostfile": "/etc/mpi/hostfile"}, False),
+    (None, None, (), {"OMPI_MCA_orte_default_hostfile": "/etc/mpi/hostfile"}, False),
 ])
 def test_one_host_only_when_no_other_host_can_take_a_rank(hosts, hostfile, extra, environ,
                                                            expected):
