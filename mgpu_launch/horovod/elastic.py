@@ -47,7 +47,7 @@ import numpy as np
 
 from mgpu_launch import engines, keras_internals, runtime
 from mgpu_launch.runtime import collectives
-from mgpu_launch.training import epoch_resume, patches, resize
+from mgpu_launch.training import epoch_resume, patches, resize, stall_probes
 from mgpu_launch.training.callbacks.backup import BackupAndRestore
 from mgpu_launch.training.callbacks.io import _is_chief
 from mgpu_launch.training.callbacks.sync import model_state_variables
@@ -154,6 +154,9 @@ class KerasState:
             raise ValueError(f"KerasState.commit: the attributes {self._values()!r} must be "
                              f"JSON values ({error}); keep numbers, strings, lists and dicts "
                              f"in the state") from error
+        # A custom loop has no fit to tell mgpu-train that training got going: a failure
+        # after a commit resumes from it, so it is worth a restart.
+        stall_probes.report_progress()
         if may_stop:
             resize.stop_here_if_asked(f"commit after batch {self.batch} of epoch "
                                       f"{int(self.epoch) + 1}" if self.batch else
@@ -260,8 +263,9 @@ def _check_json(value: Any, name: str, depth: int = 0) -> None:
 def run(func: Callable) -> Callable:
     """Horovod's ``@hvd.elastic.run``: call ``func(state)`` from the last committed state.
 
-    Before the call every rank restores the state's last commit (if any; a first run just
-    calls `func`) and, when a job of another size wrote it, runs the reset callbacks. When
+    Before the call every rank restores the state's last commit (if any), when a job of
+    another size wrote it runs the reset callbacks, and then, as Horovod's, calls
+    ``state.sync()``: every rank starts from rank 0's variables and attributes. When
     `func` returns, rank 0 deletes the commits: the folder the state was built with, never
     one a commit names. A failure is not retried here: the process exits and mgpu-train
     starts the job again (``--max-restarts``, elastic options).
@@ -280,6 +284,7 @@ def run(func: Callable) -> Callable:
         if state._load_commit() and (state._resume[2].get("size") or _size()) != _size():
             for callback in state._reset_callbacks:
                 callback()
+        state.sync()
         result = func(state, *args, **kwargs)
         if _is_chief():
             state._backup._delete_folder()
