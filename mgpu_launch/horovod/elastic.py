@@ -17,7 +17,9 @@
 What differs from Horovod's in-memory rollback (docs/fault-tolerance.md, "The Horovod names"):
 
 - ``commit()`` writes a step backup to disk (``callbacks.BackupAndRestore``'s files, rank 0,
-  atomic); Horovod copies the state in memory. A commit costs one model save on rank 0.
+  atomic) besides the in-memory snapshot Horovod takes. A commit costs one model save on
+  rank 0. As in Horovod, ``restore()`` puts back the snapshot of the last ``commit()``,
+  ``sync()`` or the state's creation, undoing uncommitted changes in the running process.
 - A failure or a size change restarts every process (``mgpu-train --max-restarts`` /
   ``--host-discovery-script``); :func:`run` then restores the last commit from disk. Horovod
   keeps the surviving processes and rolls them back. Either way the work since the last
@@ -35,15 +37,17 @@ folder of its user's alone, and a restore sets only the attributes the state dec
 checked against its declared kind; nothing restored names a path mgpu acts on.
 """
 
+import copy
 import functools
 import math
 from typing import Any, Callable, Optional
 
 import keras
+import numpy as np
 
 from mgpu_launch import engines, keras_internals, runtime
 from mgpu_launch.runtime import collectives
-from mgpu_launch.training import epoch_resume, patches, resize
+from mgpu_launch.training import epoch_resume, patches, resize, stall_probes
 from mgpu_launch.training.callbacks.backup import BackupAndRestore
 from mgpu_launch.training.callbacks.io import _is_chief
 from mgpu_launch.training.callbacks.sync import model_state_variables
@@ -77,9 +81,14 @@ class KerasState:
             training function returns, so the next job starts afresh.
         **kwargs: attributes committed and restored with the model, e.g. ``epoch=0, batch=0``
             (JSON values). ``epoch`` and ``batch`` are always there (default 0). A restore
-            sets only these, each to a value of the kind it was declared with (a number, a
-            string, ...; any JSON value for one declared None); ``epoch`` and ``batch`` are
-            whole numbers >= 0.
+            from disk sets only these, each to a value of the kind it was declared with (a
+            number, a string, ...; any JSON value for one declared None); ``epoch`` and
+            ``batch`` are whole numbers >= 0.
+
+    As Horovod's state, it keeps a snapshot in memory (the model's and the optimizer's
+    variables, the attributes) taken when it is created and at every :meth:`commit` and
+    :meth:`sync`; :meth:`restore` puts it back. The optimizer is built at creation (when the
+    model is), so that its slots are in the snapshot.
 
     Raises:
         ValueError: an attribute's name is the state's own (``model``, ``backup_dir``, a
@@ -107,9 +116,23 @@ class KerasState:
         for name, value in kwargs.items():
             setattr(self, name, value)
         self._reset_callbacks, self._resume, self.params = [], None, None
+        self._build_optimizer()
+        self._snapshot = self._take_snapshot()
 
     def _values(self) -> dict:
         return {name: getattr(self, name) for name in self._names}
+
+    def _build_optimizer(self) -> None:
+        if self.optimizer is not None and not self.optimizer.built and self.model.built:
+            self.optimizer.build(self.model.trainable_variables)  # the slots a commit fills
+
+    def _take_snapshot(self):
+        """The model's and optimizer's variables with host copies of their values, and a deep
+        copy of the attributes (this process's memory: nothing of it is read from outside)."""
+        model = self._backup.model  # on JAX, reading it writes fit's state back first
+        variables = model_state_variables(model)
+        return ([(v, np.array(keras.ops.convert_to_numpy(v), copy=True)) for v in variables],
+                copy.deepcopy(self._values()))
 
     def commit(self) -> None:
         """Write the state as a step backup (rank 0, atomic); stop here if a resize is asked.
@@ -122,6 +145,7 @@ class KerasState:
         self._commit(may_stop=True)
 
     def _commit(self, may_stop: bool) -> None:
+        self._snapshot = self._take_snapshot()
         self._backup.params = self.params  # steps per epoch, for a resume at another size
         try:
             self._backup._save((int(self.epoch), int(self.batch)),
@@ -130,26 +154,47 @@ class KerasState:
             raise ValueError(f"KerasState.commit: the attributes {self._values()!r} must be "
                              f"JSON values ({error}); keep numbers, strings, lists and dicts "
                              f"in the state") from error
+        # A custom loop has no fit to tell mgpu-train that training got going: a failure
+        # after a commit resumes from it, so it is worth a restart.
+        stall_probes.report_progress()
         if may_stop:
             resize.stop_here_if_asked(f"commit after batch {self.batch} of epoch "
                                       f"{int(self.epoch) + 1}" if self.batch else
                                       f"commit after epoch {self.epoch}")
 
     def sync(self) -> None:
-        """Give every rank rank 0's weights, optimizer state and attributes."""
-        if not runtime.is_multi_process():
-            return
-        engines.get_engine().broadcast_variables(model_state_variables(self.model), 0)
-        for name, value in collectives.broadcast_object(self._values()).items():
+        """Give every rank rank 0's weights, optimizer state and attributes, then take the
+        snapshot :meth:`restore` returns to (Horovod's). Call it on every rank."""
+        if runtime.is_multi_process():
+            self._build_optimizer()
+            engines.get_engine().broadcast_variables(model_state_variables(self.model), 0)
+            for name, value in collectives.broadcast_object(self._values()).items():
+                setattr(self, name, value)
+        self._snapshot = self._take_snapshot()
+
+    def restore(self) -> None:
+        """Undo every change since the last :meth:`commit`, :meth:`sync` or the state's
+        creation (Horovod's): the model's and the optimizer's variables and the attributes get
+        the snapshot's values. This process's memory only: no collective, nothing read from
+        disk (:func:`run` loads the last commit from disk when a job starts).
+
+        Variables created after the snapshot (an optimizer built by the first step because
+        the model was not built when the state was created) keep their values.
+
+        Example:
+            >>> state.epoch = 5; state.restore(); state.epoch      # the last commit's
+            0
+        """
+        variables, values = self._snapshot
+        for variable, value in variables:
+            variable.assign(value)
+        for name, value in copy.deepcopy(values).items():
             setattr(self, name, value)
 
-    def restore(self) -> bool:
-        """Load the last commit (rank 0 reads it, every rank receives it); False if none.
-
-        Call it on every rank. :func:`run` calls it before the training function.
-        """
-        if self.optimizer is not None and not self.optimizer.built:
-            self.optimizer.build(self.model.trainable_variables)  # the slots a commit fills
+    def _load_commit(self) -> bool:
+        """Load the last commit from disk (rank 0 reads it, every rank receives it) and make
+        it the snapshot; False if there is none. Collective: call it on every rank."""
+        self._build_optimizer()
         restored = self._backup._restore_everywhere({_EXTRA: self._checked})
         if restored is None:
             return False
@@ -158,6 +203,7 @@ class KerasState:
             setattr(self, name, value)  # only declared names: _checked refused any other
         self.epoch, self.batch = epochs, batches
         self._resume = (epochs, batches, saved)
+        self._snapshot = self._take_snapshot()
         return True
 
     def _checked(self, restored: Any) -> dict:
@@ -217,8 +263,9 @@ def _check_json(value: Any, name: str, depth: int = 0) -> None:
 def run(func: Callable) -> Callable:
     """Horovod's ``@hvd.elastic.run``: call ``func(state)`` from the last committed state.
 
-    Before the call every rank restores the state's last commit (if any; a first run just
-    calls `func`) and, when a job of another size wrote it, runs the reset callbacks. When
+    Before the call every rank restores the state's last commit (if any), when a job of
+    another size wrote it runs the reset callbacks, and then, as Horovod's, calls
+    ``state.sync()``: every rank starts from rank 0's variables and attributes. When
     `func` returns, rank 0 deletes the commits: the folder the state was built with, never
     one a commit names. A failure is not retried here: the process exits and mgpu-train
     starts the job again (``--max-restarts``, elastic options).
@@ -234,9 +281,10 @@ def run(func: Callable) -> Callable:
     """
     @functools.wraps(func)
     def wrapper(state: KerasState, *args, **kwargs):
-        if state.restore() and (state._resume[2].get("size") or _size()) != _size():
+        if state._load_commit() and (state._resume[2].get("size") or _size()) != _size():
             for callback in state._reset_callbacks:
                 callback()
+        state.sync()
         result = func(state, *args, **kwargs)
         if _is_chief():
             state._backup._delete_folder()

@@ -249,7 +249,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         optimizer, name, compression, sparse_as_dense, gradient_predivide_factor, op,
             backward_passes_per_step, average_aggregated_gradients: as in Horovod, passed to
             ``mgpu.DistributedOptimizer`` (``average_aggregated_gradients`` defaults to False
-            here, as in Horovod; ``mgpu.DistributedOptimizer`` defaults to True).
+            here, as in Horovod; ``mgpu.DistributedOptimizer`` defaults to True). With
+            ``backward_passes_per_step > 1``, ``iterations`` counts backward passes, as
+            Horovod's (``iterations_count="passes"``; ``mgpu.DistributedOptimizer`` counts
+            updates, as Keras's ``gradient_accumulation_steps``).
         device_dense, device_sparse: ignored: each process has one device, chosen by the
             launcher.
         num_groups, groups: must be 0 / None: gradients are fused into buffers by the engine
@@ -280,7 +283,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         backward_passes_per_step=backward_passes_per_step,
         average_aggregated_gradients=average_aggregated_gradients,
         gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
-        name=name)
+        iterations_count="passes", name=name)
     distributed.scale_local_gradients = bool(scale_local_gradients)
     return distributed
 
@@ -342,7 +345,7 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
             backward_passes_per_step=loaded.backward_passes_per_step,
             average_aggregated_gradients=loaded.average_aggregated_gradients,
             gradient_predivide_factor=loaded.gradient_predivide_factor,
-            sparse_as_dense=loaded.sparse_as_dense)
+            sparse_as_dense=loaded.sparse_as_dense, iterations_count=loaded.iterations_count)
     return model
 
 

@@ -20,8 +20,6 @@ Adasum = "adasum"
 
 #: Horovod names neither namespace provides -> why, and what to use instead.
 NOT_PROVIDED: Dict[str, str] = {
-    "elastic": "elastic training is not supported; restart the job with "
-               "mgpu.callbacks.BackupAndRestore to resume",
     "start_timeline": "use the backend's profiler (e.g. keras.callbacks.TensorBoard or "
                       "tf.profiler)",
     "stop_timeline": "use the backend's profiler (e.g. keras.callbacks.TensorBoard or "

@@ -25,11 +25,15 @@ other ranks). TensorFlow backend only: ``KERAS_BACKEND`` must be ``tensorflow`` 
 Differences from Horovod (all in docs/horovod-migration.md): ``DistributedGradientTape``
 wraps the tape instead of generating a subclass; ``reducescatter`` and ``alltoall`` are an
 allreduce / allgather followed by a slice (correct, more traffic); process sets other than
-the global one, Adasum, the timeline, elastic and TF1 session hooks are not provided.
+the global one, Adasum, the timeline and TF1 session hooks are not provided. ``hvd.elastic``
+(``TensorFlowKerasState``, ``run``) is restart-based, over the step backups of
+``mgpu_launch.keras.elastic`` (``mgpu_launch.horovod.tensorflow_elastic``).
 """
 
+import sys
+
 from mgpu_launch import runtime
-from mgpu_launch.horovod import support
+from mgpu_launch.horovod import support, tensorflow_elastic as elastic
 from mgpu_launch.horovod.support import (Adasum, Average, Max, Min, Product, Sum, ccl_built,
                                          cuda_built, ddl_built, global_process_set, gloo_built,
                                          gloo_enabled, mpi_built, mpi_enabled,
@@ -44,6 +48,8 @@ from mgpu_launch.training import patches
 from mgpu_launch.training.layers import SyncBatchNormalization
 
 _NAME = "mgpu_launch.tensorflow"
+# `hvd.elastic.run` and `import mgpu_launch.tensorflow.elastic`, as with Horovod.
+sys.modules[f"{_NAME}.elastic"] = elastic
 __getattr__ = support.namespace_getattr(_NAME, {
     "broadcast_global_variables": "TensorFlow 2 has no global variables (Horovod raises too "
                                   "when eager); use hvd.broadcast_variables(model.variables, 0)",
@@ -199,6 +205,6 @@ __all__ = [
     "grouped_reducescatter", "alltoall", "broadcast_variables", "broadcast_object",
     "allgather_object", "DistributedGradientTape", "PartialDistributedGradientTape",
     "DistributedOptimizer", "SyncBatchNormalization", "Compression", "Average", "Sum", "Min",
-    "Max", "Product", "Adasum",
+    "Max", "Product", "Adasum", "elastic",
     "global_process_set", *support.QUERIES,
 ]

@@ -33,10 +33,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             gradients travel in; they are cast back after the allreduce.
         op: ``mgpu.Average`` (default) or ``mgpu.Sum``.
         backward_passes_per_step: accumulate this many local gradients before one allreduce
-            and one update (a larger effective batch at the same memory). As with Keras's
-            ``gradient_accumulation_steps``, ``iterations`` counts updates while a
-            ``LearningRateSchedule`` is called with the number of backward passes (Horovod's
-            ``iterations`` counts passes).
+            and one update (a larger effective batch at the same memory). A
+            ``LearningRateSchedule`` is called with the number of backward passes, as with
+            Keras's ``gradient_accumulation_steps``; what ``iterations`` counts is
+            `iterations_count`'s.
         average_aggregated_gradients: divide the accumulated gradients by
             ``backward_passes_per_step`` (True, default) or keep their sum.
         gradient_predivide_factor: with ``op=Average``, divide by this factor before the sum
@@ -50,6 +50,12 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             replay it (True), keep it eager (False), or follow ``MGPU_TORCH_CUDA_GRAPH=1``
             (None, default). Falls back to eager with one warning when the step cannot be
             captured; see docs/torch-cuda-graphs.md. Ignored by the other backends.
+        iterations_count: what ``iterations`` counts with ``backward_passes_per_step > 1``:
+            ``"updates"`` (default; Keras's ``gradient_accumulation_steps`` convention) or
+            ``"passes"``, every backward pass (Horovod's: ``iterations == step + 1`` after each
+            one; ``mgpu_launch.keras`` / ``mgpu_launch.tensorflow``'s DistributedOptimizer
+            passes it). Schedules, the LR callbacks and backups are right under either;
+            with one pass per step both count the same.
         name: the optimizer's name.
 
     Mixed precision: with the ``mixed_float16`` policy, wrap the loss-scaling optimizer and
@@ -78,7 +84,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def __init__(self, optimizer, compression=Compression.none, op: ReduceOp = collectives.Average,
                  backward_passes_per_step: int = 1, average_aggregated_gradients: bool = True,
                  gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
-                 cuda_graph: Optional[bool] = None, name: Optional[str] = None, **kwargs):
+                 cuda_graph: Optional[bool] = None, iterations_count: str = "updates",
+                 name: Optional[str] = None, **kwargs):
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise ValueError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer; got "
                              f"{optimizer!r} ({type(optimizer).__name__}). Pass e.g. "
@@ -97,6 +104,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if cuda_graph not in (None, True, False):
             raise ValueError(f"cuda_graph={cuda_graph!r}: expected True, False or None "
                              f"(None follows MGPU_TORCH_CUDA_GRAPH)")
+        if iterations_count not in ("updates", "passes"):
+            raise ValueError(f"iterations_count={iterations_count!r}: expected 'updates' "
+                             f"(Keras's convention) or 'passes' (Horovod's)")
         if kwargs:
             raise ValueError(f"DistributedOptimizer does not take {sorted(kwargs)}: set them "
                              f"on the wrapped optimizer instead.")
@@ -114,6 +124,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         #: divide local variables' gradients by size() (Horovod's scale_local_gradients)
         self.scale_local_gradients = True
         self.cuda_graph = cuda_graph
+        self.iterations_count = iterations_count
         #: with a LearningRateSchedule: a variable its output is multiplied by (LR callbacks)
         self.lr_multiplier = None
         self._sync_in_step = False
@@ -125,8 +136,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             with keras.name_scope(self.name, caller=self):
                 self.lr_multiplier = self.add_variable(shape=(), initializer="ones",
                                                        name="lr_multiplier")
+            # Horovod's iterations count the passes already: the schedule takes them as they are.
             self._schedule = _MultipliedSchedule(rate, self.lr_multiplier,
-                                                 self.backward_passes_per_step)
+                                                 self.backward_passes_per_step
+                                                 if iterations_count == "updates" else 1)
             keras_internals.swap_learning_rate(scheduled, self._schedule)
         # Device prefetch of fit's batches (MGPU_PREFETCH), the ranks' agreement check before
         # the first step, and (JAX) the engine's train step: all patches of Keras internals.
@@ -150,8 +163,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 "auto_scale_loss=False).")
         self.inner_optimizer.build(var_list)
         if self.backward_passes_per_step > 1:
-            self._accumulation = Accumulation(self, var_list, self.backward_passes_per_step,
-                                              self.average_aggregated_gradients)
+            self._accumulation = Accumulation(
+                self, var_list, self.backward_passes_per_step, self.average_aggregated_gradients,
+                self.iterations if self.iterations_count == "passes" else None)
             if self._schedule is not None:
                 self._schedule.pass_counter = self._accumulation.pass_counter
         self._in_step_synced = self.add_variable(shape=(), dtype="int", initializer="zeros",
@@ -328,6 +342,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             "gradient_predivide_factor": self.gradient_predivide_factor,
             "sparse_as_dense": self.sparse_as_dense,
             "cuda_graph": self.cuda_graph,
+            "iterations_count": self.iterations_count,
         }
 
     @classmethod

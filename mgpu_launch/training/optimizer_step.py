@@ -7,10 +7,13 @@ Three pieces, each the same on every backend:
   of its own (``LossScaleOptimizer``: its ``apply`` runs ``ops.cond`` over stateful branches,
   whose traced values would leak out of ``jax.lax.cond``) must be called through that path.
 - :class:`Accumulation`: ``backward_passes_per_step > 1``, local gradients summed over the
-  passes, one reduction and one update at the last pass of each window.
+  passes, one reduction and one update at the last pass of each window. ``iterations`` counts
+  updates (Keras's ``gradient_accumulation_steps`` convention) or, under Horovod's names,
+  backward passes (Horovod's: ``iterations == step + 1`` after every pass).
 - :class:`_MultipliedSchedule`: what a wrapped ``LearningRateSchedule`` becomes: its output
   times the LR callbacks' multiplier, and, under accumulation, called with the number of
-  backward passes, as Keras's own ``gradient_accumulation_steps`` calls it.
+  backward passes, as Keras's own ``gradient_accumulation_steps`` calls it (and as Horovod's
+  does, whose ``iterations`` already counts them).
 """
 
 import contextlib
@@ -74,10 +77,15 @@ class Accumulation:
         var_list: the variables it was built with.
         passes: backward passes per update (>= 2).
         average: divide the sum by `passes` before the reduction (else keep the sum).
+        iterations: None (Keras's convention: the wrapped optimizer counts its updates), or
+            the optimizer's ``iterations`` variable to count every backward pass in
+            (Horovod's). Then the window's position is ``iterations % passes``, so a run
+            restored from a backup (whose partial window is not saved) keeps the windows where
+            an uninterrupted run has them.
     """
 
-    def __init__(self, owner, var_list, passes: int, average: bool):
-        self.passes, self.average = passes, average
+    def __init__(self, owner, var_list, passes: int, average: bool, iterations=None):
+        self.passes, self.average, self.iterations = passes, average, iterations
         #: passes since the last update, 0 .. passes - 1 (a schedule adds it to the step)
         self.pass_counter = owner.add_variable(shape=(), dtype="int", initializer="zeros",
                                                name="pass_counter")
@@ -106,10 +114,20 @@ class Accumulation:
             for total in self.sums:
                 total.assign(ops.zeros(total.shape, total.dtype))
 
-        # The counter moves after the update, as Keras's iterations do: a schedule called in
-        # the update sees the window's last pass, k * passes + passes - 1.
-        cond_update(ops.equal(self.pass_counter, self.passes - 1), reduce_and_apply, variables)
-        self.pass_counter.assign(ops.mod(ops.add(self.pass_counter, 1), self.passes))
+        if self.iterations is None:
+            # The counter moves after the update, as Keras's iterations do: a schedule called
+            # in the update sees the window's last pass, k * passes + passes - 1.
+            cond_update(ops.equal(self.pass_counter, self.passes - 1), reduce_and_apply,
+                        variables)
+            self.pass_counter.assign(ops.mod(ops.add(self.pass_counter, 1), self.passes))
+            return
+        # Horovod's counting: the passes done after this one, computed before the update
+        # (which counts itself, or not when a loss scaler skips it) as a new tensor (torch's
+        # variable value would alias it); afterwards the variable holds exactly that.
+        after = ops.add(self.iterations.value, 1)
+        cond_update(ops.equal(ops.mod(after, self.passes), 0), reduce_and_apply, variables)
+        self.iterations.assign(after)
+        self.pass_counter.assign(ops.cast(ops.mod(after, self.passes), self.pass_counter.dtype))
 
 
 class _MultipliedSchedule(keras.optimizers.schedules.LearningRateSchedule):
@@ -117,7 +135,9 @@ class _MultipliedSchedule(keras.optimizers.schedules.LearningRateSchedule):
 
     With gradient accumulation the wrapped optimizer counts updates, while Keras's own
     ``gradient_accumulation_steps`` feeds its schedule the number of backward passes; so
-    ``step`` (updates done) becomes ``step * passes + pass_counter``: the same numbers.
+    ``step`` (updates done) becomes ``step * passes + pass_counter``: the same numbers. Under
+    Horovod's counting ``iterations`` is the number of passes already: built with
+    ``passes=1``, the step goes to the schedule as it is.
     """
 
     def __init__(self, schedule, multiplier, passes: int = 1):

@@ -39,6 +39,16 @@ def _step_of_end(batch: int) -> int:
     return _Steps.step if batch >= _Steps.last_begin_batch else _Steps.step - 1
 
 
+def report_progress() -> None:
+    """Print the supervisor's progress marker once (rank 0, when mgpu-train asks for it): a
+    training step is done, or (a custom loop's) state was committed, so a later failure is
+    worth a restart."""
+    if not _Steps.progress_reported:
+        _Steps.progress_reported = True
+        if settings.flag("MGPU_PROGRESS_MARKER") and runtime.state.rank == 0:
+            print(worker.PROGRESS_MARKER, file=sys.stderr, flush=True)
+
+
 class FirstProbe(keras.callbacks.Callback):
     """Runs before every other callback of the fit."""
 
@@ -54,10 +64,7 @@ class FirstProbe(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         stall.mark(_step_of_end(batch), stall.BATCH_END)
-        if not _Steps.progress_reported:
-            _Steps.progress_reported = True
-            if settings.flag("MGPU_PROGRESS_MARKER") and runtime.state.rank == 0:
-                print(worker.PROGRESS_MARKER, file=sys.stderr, flush=True)
+        report_progress()
 
     def on_test_begin(self, logs=None):
         stall.mark(_Steps.step, stall.VALIDATION)

@@ -1,12 +1,15 @@
 """hvd.elastic's state folder is data, never instructions (issue 37, item 1): a state another
 user planted is refused, and nothing restored names a folder mgpu deletes. The attacks run as
-user nobody against this (root) process; one process, no job."""
+user nobody against this (root) process; one process, no job. And Horovod's in-memory
+semantics (issue 39, item 2): restore() undoes what changed since the last commit, sync or the
+state's creation."""
 
 import json
 import os
 import shutil
 import tempfile
 
+import numpy as np
 import pytest
 
 from conftest import as_nobody, shared_folder
@@ -116,3 +119,76 @@ def test_an_attribute_may_not_take_a_name_of_the_state_itself(name):
     with pytest.raises(ValueError, match=rf"the attribute names \['{name}'\] are the state's "
                                          rf"own"):
         _state(None, **{name: 1})
+
+
+def _momentum_model():
+    import keras
+
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    return model
+
+
+def _state_values(model):
+    """Every weight and optimizer variable (iterations, momentum slots), as numpy arrays."""
+    import keras
+
+    return [keras.ops.convert_to_numpy(v).copy()
+            for v in model.weights + model.optimizer.variables]
+
+
+def _train_one_batch(model):
+    model.fit(np.ones((4, 3), "float32"), np.zeros((4, 2), "float32"), batch_size=4,
+              epochs=1, verbose=0)
+
+
+def _assert_same(got, want):
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_restore_before_any_commit_undoes_the_changes_since_creation(tmp_path):
+    # Horovod's semantics (issue 39, item 2): the state is snapshotted when it is created, so
+    # restore() undoes uncommitted changes even before the first commit.
+    import mgpu_launch.keras as hvd
+
+    model = _momentum_model()
+    state = hvd.elastic.KerasState(model, backup_dir=str(tmp_path / "state"), epoch=0,
+                                   note="a", history=[1])
+    created = _state_values(model)
+    _train_one_batch(model)
+    state.epoch, state.batch, state.note = 3, 7, "b"
+    state.history.append(2)  # changed in place: the snapshot is a copy
+    assert not all(np.array_equal(a, b) for a, b in zip(_state_values(model), created))
+    assert state.restore() is None
+    _assert_same(_state_values(model), created)  # weights, iterations 0, momentum zeros
+    assert (state.epoch, state.batch, state.note, state.history) == (0, 0, "a", [1])
+    assert not (tmp_path / "state").exists()  # nothing was written or read on disk
+
+
+def test_restore_returns_to_the_last_commit_or_sync_from_memory(tmp_path):
+    import mgpu_launch.keras as hvd
+
+    model = _momentum_model()
+    state = hvd.elastic.KerasState(model, backup_dir=str(tmp_path / "state"), epoch=0)
+    _train_one_batch(model)
+    state.epoch = 1
+    state.commit()
+    committed = _state_values(model)
+    shutil.rmtree(tmp_path / "state")  # restore() reads memory, not the commit's file
+    _train_one_batch(model)
+    state.epoch = 2
+    state.restore()
+    _assert_same(_state_values(model), committed)
+    assert state.epoch == 1
+    _train_one_batch(model)
+    state.epoch = 4
+    state.sync()  # one process: nothing to receive, and the snapshot moves here
+    synced = _state_values(model)
+    _train_one_batch(model)
+    state.epoch = 5
+    state.restore()
+    _assert_same(_state_values(model), synced)
+    assert state.epoch == 4
