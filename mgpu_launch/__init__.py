@@ -38,7 +38,7 @@ _runtime.add_hooks(start=_synchronize_batch_norm, stop=lambda: None)
 # that `import mgpu_launch` and the host collectives stay light.
 _LAZY = {
     "DistributedOptimizer": "mgpu_launch.training.optimizer",
-    "scale_lr": "mgpu_launch.training.optimizer", "load_model": "mgpu_launch.training.optimizer",
+    "scale_lr": "mgpu_launch.training.optimizer", "load_model": "mgpu_launch.training.saving",
     "Compression": "mgpu_launch.runtime.compression",
     "callbacks": "mgpu_launch.callbacks", "data": "mgpu_launch.data",
     "layers": "mgpu_launch.layers",

@@ -46,7 +46,7 @@ from mgpu_launch.horovod.support import (Adasum, Average, Sum, ccl_built, cuda_b
 from mgpu_launch.runtime import (collectives, cross_rank, cross_size, is_initialized,
                                  launch as _launch, local_rank, local_size, rank, shutdown, size)
 from mgpu_launch.runtime.compression import Compression
-from mgpu_launch.training import optimizer as _optimizer, patches
+from mgpu_launch.training import optimizer as _optimizer, patches, saving
 from mgpu_launch.training.callbacks import model_state_variables
 from mgpu_launch.training.layers import SyncBatchNormalization
 
@@ -331,7 +331,7 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
     """
     objects = {cls.__name__: cls for cls in custom_optimizers or ()}
     objects.update(custom_objects or {})
-    model = _optimizer.load_model(filepath, custom_objects=objects or None)
+    model = saving.load_model(filepath, custom_objects=objects or None)
     codec, loaded = Compression.get(compression), model.optimizer
     if loaded is not None and loaded.compression is not codec:
         # A new wrapper around the same (state-holding) inner optimizer, as mgpu.load_model
