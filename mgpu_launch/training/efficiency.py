@@ -229,8 +229,9 @@ def add_report(arguments: Dict[str, Any]) -> None:
 
 
 def wanted() -> bool:
-    """``MGPU_EFFICIENCY_REPORT`` (default on)."""
-    return settings.flag("MGPU_EFFICIENCY_REPORT")
+    """``MGPU_EFFICIENCY_REPORT`` (default on), after ``mgpu.init()`` (a fit before it has no
+    job to report on)."""
+    return runtime.is_initialized() and settings.flag("MGPU_EFFICIENCY_REPORT")
 
 
 class EfficiencyReport(keras.callbacks.Callback):

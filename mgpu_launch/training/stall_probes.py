@@ -97,8 +97,8 @@ class LastProbe(keras.callbacks.Callback):
 def wanted() -> bool:
     """Whether a fit should carry the probes: the inspector runs, the timeline records or the
     efficiency report is on, or mgpu-train asks for the progress marker (restarts)."""
-    return (stall.active() or timeline.recording() or settings.flag("MGPU_EFFICIENCY_REPORT")
-            or settings.flag("MGPU_PROGRESS_MARKER"))
+    return (stall.active() or timeline.recording() or settings.flag("MGPU_PROGRESS_MARKER")
+            or (runtime.is_initialized() and settings.flag("MGPU_EFFICIENCY_REPORT")))
 
 
 def add_probes(arguments: Dict[str, Any]) -> None:
