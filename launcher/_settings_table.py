@@ -210,6 +210,13 @@ SETTINGS: Dict[str, Setting] = _declare(
       "TCPStore); `0.0.0.0`: every interface, where the address the others dial is not one of "
       "the host's own (NAT, a service name)", example="0.0.0.0",
       shown_default="the address they are dialled at (`127.0.0.1` on one host)"),
+    _("MGPU_TIMELINE", "text", None, RANKS,
+      "a Chrome/Perfetto trace of every rank's step phases and host collectives, written by "
+      "rank 0 at the end (as `mgpu-train --timeline FILE`)", example="timeline.json",
+      shown_default="off"),
+    _("MGPU_EFFICIENCY_REPORT", "flag", True, RANKS,
+      "the efficiency report rank 0 prints at the end of `fit` (verbose >= 1): samples/s and "
+      "where the lost time goes; set it alike on every rank"),
     _("MGPU_PROFILE_SKIP_ALLREDUCE", "flag", False, RANKS,
       "JAX, profiling only: skip the gradient allreduce (the gradients are then wrong)"),
     _("MGPU_JAX_COORDINATOR", "address", None, RANKS,

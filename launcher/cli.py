@@ -71,6 +71,7 @@ class Config:
     elastic_options: Optional[elastic.Options] = None  # --host-discovery-script given
     placement: Optional[hostfiles.Placement] = None  # a hostfile, given or the MPI Operator's
     slots_per_host: Optional[str] = None  # --slots-per-host as given (for --env)
+    timeline: Optional[str] = None  # --timeline FILE, absolute: MGPU_TIMELINE of every rank
 
 
 def get_parser() -> argparse.ArgumentParser:
@@ -111,6 +112,8 @@ def get_parser() -> argparse.ArgumentParser:
     elastic.add_arguments(parser)
     parser.add_argument("--no-pin", dest="pin", action="store_false",
                         help="do not pin GPU local_rank to each process")
+    parser.add_argument("--timeline", metavar="FILE", help="write a Chrome/Perfetto trace of "
+                        "every rank's steps to FILE at the end (sets MGPU_TIMELINE)")
     parser.add_argument("--env", dest="env_report", action="store_true",
                         help="print versions, GPUs, the detected environment and the MGPU_* "
                              "settings, then exit")
@@ -280,7 +283,8 @@ def parse_args(argv: Sequence[str]) -> Config:
                   forward=tuple(options.forward), output_dir=options.output_dir,
                   all_ranks_output=options.all_ranks_output, pin=options.pin,
                   dry_run=options.dry_run, max_restarts=max_restarts, elastic_options=grow,
-                  merge_window=settings.seconds("MGPU_MERGE_SECONDS"), placement=placement)
+                  merge_window=settings.seconds("MGPU_MERGE_SECONDS"), placement=placement,
+                  timeline=os.path.abspath(options.timeline) if options.timeline else None)
 
 
 def worker_command(config: Config) -> List[str]:
@@ -337,6 +341,8 @@ def run(config: Config) -> int:
         from mgpu_launcher import envreport
         print(envreport.report(config.hostfile, config.slots_per_host))
         return 0
+    if config.timeline:  # forwarded to the ranks with every MGPU_* variable
+        os.environ["MGPU_TIMELINE"] = config.timeline
     if config.np is None:  # warns about unknown settings on rank 0
         return worker.run(config.kind, config.target, config.args, pin=config.pin)
     settings.warn_unknown(emit=lambda text: print(f"{PROG}: warning: {text}", file=sys.stderr))

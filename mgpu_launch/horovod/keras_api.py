@@ -24,8 +24,10 @@ own runtime, optimizer and callbacks. Differences, all listed in docs/horovod-mi
   (``mgpu_launch.tensorflow``).
 - ``elastic`` (``KerasState``, its callbacks, ``run``) is restart-based: a commit is a step
   backup on disk (``mgpu_launch.elastic`` says what differs from Horovod's rollback).
-- Not provided: Adasum, process sets other than the global one, explicit gradient groups,
-  the timeline. Every such name raises ``HorovodNotSupported`` (an
+- ``start_timeline`` / ``stop_timeline`` record mgpu's timeline (every rank's step phases
+  and host collectives, ``mgpu_launch.runtime.timeline``), not Horovod's per-tensor one.
+- Not provided: Adasum, process sets other than the global one, explicit gradient groups.
+  Every such name raises ``HorovodNotSupported`` (an
   AttributeError) saying what to do instead (``mgpu_launch.horovod.support``); refused arguments a
   ValueError.
 """
@@ -52,6 +54,7 @@ from mgpu_launch.training.layers import SyncBatchNormalization
 
 _NAME = "mgpu_launch.keras"
 __getattr__ = support.namespace_getattr(_NAME, {})
+start_timeline, stop_timeline = support.timeline_functions(_NAME)
 # `hvd.callbacks.X`, `from mgpu_launch.keras.callbacks import X` and `hvd.elastic.run`, as with
 # Horovod.
 sys.modules[f"{_NAME}.callbacks"] = callbacks
@@ -390,4 +393,5 @@ __all__ = [
     "DistributedOptimizer", "PartialDistributedOptimizer", "load_model", "Compression",
     "Average", "Sum", "Adasum", "global_process_set", "callbacks", "run", "reducescatter",
     "broadcast_global_variables", *support.QUERIES, "SyncBatchNormalization",
+    "start_timeline", "stop_timeline",
 ]

@@ -12,7 +12,7 @@ the reason and what to use instead; every Horovod argument that cannot be honour
 from typing import Dict, List
 
 from mgpu_launch import engines, runtime
-from mgpu_launch.runtime import collectives
+from mgpu_launch.runtime import collectives, timeline
 from mgpu_launch.runtime.collectives import Average, Max, Min, Product, Sum
 
 #: Horovod's Adasum reduction. Not implemented here: passing it raises ValueError.
@@ -20,10 +20,6 @@ Adasum = "adasum"
 
 #: Horovod names neither namespace provides -> why, and what to use instead.
 NOT_PROVIDED: Dict[str, str] = {
-    "start_timeline": "use the backend's profiler (e.g. keras.callbacks.TensorBoard or "
-                      "tf.profiler)",
-    "stop_timeline": "use the backend's profiler (e.g. keras.callbacks.TensorBoard or "
-                     "tf.profiler)",
     "ProcessSet": "only the global process set exists: run a separate job per group",
     "add_process_set": "only the global process set exists: run a separate job per group",
     "remove_process_set": "only the global process set exists: there is nothing to remove",
@@ -98,6 +94,41 @@ def check_process_set(namespace: str, process_set) -> None:
                "of the job. Leave process_set out (or pass hvd.global_process_set).")
 
 
+def timeline_functions(namespace: str):
+    """Horovod's ``start_timeline`` / ``stop_timeline`` for `namespace`, on
+    ``mgpu_launch.runtime.timeline`` (one trace of every rank, written by rank 0)."""
+
+    def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+        """Record every rank's step phases and host collectives for a trace at `file_path`
+        (Horovod's ``hvd.start_timeline``; the same as ``MGPU_TIMELINE=file_path``).
+
+        Collective: call it on every rank. Rank 0 writes the file at :func:`stop_timeline`
+        (or at exit): one Chrome/Perfetto trace, one track per rank.
+
+        Args:
+            file_path: the trace file.
+            mark_cycles: must be False: there are no Horovod cycles to mark (the trace marks
+                every step instead).
+
+        Raises:
+            ValueError: `mark_cycles` is true, or `file_path` is empty.
+
+        Example:
+            >>> hvd.start_timeline("timeline.json")
+        """
+        if mark_cycles:
+            reject(namespace, "mark_cycles", mark_cycles, "there are no negotiation cycles; "
+                   "the trace marks every training step. Leave mark_cycles out.")
+        timeline.start(file_path, runtime.state)
+
+    def stop_timeline() -> None:
+        """Write the trace :func:`start_timeline` began (rank 0) and stop recording
+        (collective: call it on every rank). Without a running timeline it does nothing."""
+        timeline.stop()
+
+    return start_timeline, stop_timeline
+
+
 # -- what this build can do (Horovod's *_built() / *_enabled() queries) --------------------------
 def mpi_built() -> bool:
     """True: the ranks talk over MPI (mpi4py) for the job's set-up and host collectives."""
@@ -160,7 +191,7 @@ def ccl_built() -> bool:
 QUERIES = ["mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled",
            "nccl_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built"]
 OPS = ["Average", "Sum", "Min", "Max", "Product", "Adasum"]
-__all__ = QUERIES + OPS + ["HorovodNotSupported", "global_process_set", "namespace_getattr",
+__all__ = QUERIES + OPS + ["HorovodNotSupported", "timeline_functions", "global_process_set", "namespace_getattr",
                            "reject", "check_op", "check_process_set", "NOT_PROVIDED"]
 
 

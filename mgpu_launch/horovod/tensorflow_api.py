@@ -25,9 +25,10 @@ other ranks). TensorFlow backend only: ``KERAS_BACKEND`` must be ``tensorflow`` 
 Differences from Horovod (all in docs/horovod-migration.md): ``DistributedGradientTape``
 wraps the tape instead of generating a subclass; ``reducescatter`` and ``alltoall`` are an
 allreduce / allgather followed by a slice (correct, more traffic); process sets other than
-the global one, Adasum, the timeline and TF1 session hooks are not provided. ``hvd.elastic``
+the global one, Adasum and TF1 session hooks are not provided. ``hvd.elastic``
 (``TensorFlowKerasState``, ``run``) is restart-based, over the step backups of
-``mgpu_launch.keras.elastic`` (``mgpu_launch.horovod.tensorflow_elastic``).
+``mgpu_launch.keras.elastic`` (``mgpu_launch.horovod.tensorflow_elastic``); ``start_timeline``
+records mgpu's timeline of step phases and host collectives, not Horovod's per-tensor one.
 """
 
 import sys
@@ -64,6 +65,7 @@ __getattr__ = support.namespace_getattr(_NAME, {
                                               "op=hvd.Sum (average= is still accepted)",
     "check_num_rank_power_of_2": "a Horovod internal for Adasum, which is not implemented",
 })
+start_timeline, stop_timeline = support.timeline_functions(_NAME)
 _homogeneous = None
 
 
@@ -206,5 +208,5 @@ __all__ = [
     "allgather_object", "DistributedGradientTape", "PartialDistributedGradientTape",
     "DistributedOptimizer", "SyncBatchNormalization", "Compression", "Average", "Sum", "Min",
     "Max", "Product", "Adasum", "elastic",
-    "global_process_set", *support.QUERIES,
+    "global_process_set", *support.QUERIES, "start_timeline", "stop_timeline",
 ]

@@ -10,6 +10,7 @@ topology and the host collectives pays for neither. Its modules, lowest first:
     rendezvous      where the ranks meet: the job's host address, free ports, bind addresses
     stall_channel   the stall inspector's authenticated line protocol
     stall           the stall inspector: which rank waits where, named when a step stalls
+    timeline        every rank's step phases and host collectives, merged into one trace
     this module     init() / shutdown(), the topology (rank, size, local, cross), the MPI
                     communicator: one state object
     collectives     host collectives over MPI (allreduce, allgather, broadcast, barrier) with
@@ -32,7 +33,7 @@ import dataclasses
 import sys
 from typing import Any, Callable, List, Optional, Tuple
 
-from mgpu_launch.runtime import auth, stall
+from mgpu_launch.runtime import auth, stall, timeline
 from mgpu_launcher import environments, settings, worker
 
 
@@ -68,9 +69,10 @@ class State:
 state = State()
 
 #: (start(state), stop()) pairs run by init() after MPI is up and by shutdown() before it goes
-#: (stopped in reverse): the stall inspector's first; the engines add theirs
-#: (mgpu_launch.engines), so this layer never imports them.
-_hooks: List[Tuple[Callable[[State], None], Callable[[], None]]] = [(stall.start, stall.stop)]
+#: (stopped in reverse): the stall inspector's and the timeline's (MGPU_TIMELINE) first; the
+#: engines add theirs (mgpu_launch.engines), so this layer never imports them.
+_hooks: List[Tuple[Callable[[State], None], Callable[[], None]]] = [
+    (stall.start, stall.stop), (timeline.on_init, timeline.on_shutdown)]
 
 
 def add_hooks(start: Callable[[State], None], stop: Callable[[], None]) -> None:

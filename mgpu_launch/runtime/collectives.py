@@ -11,7 +11,7 @@ from typing import Any, Callable, List, Tuple
 
 import numpy as np
 
-from mgpu_launch.runtime import state
+from mgpu_launch.runtime import state, timeline
 
 
 class ReduceOp(enum.Enum):
@@ -49,7 +49,8 @@ def _as_array(value: Any, what: str) -> Tuple[np.ndarray, Callable[[np.ndarray],
 def _check_agreement(what: str, description: Tuple, payload: Any = None) -> List[Any]:
     """Gather every rank's description (and payload); raise on all ranks if any description
     differs from rank 0's. Returns the ranks' payloads, in rank order."""
-    gathered = state.comm.allgather((description, payload))
+    with timeline.span(f"host {what} (agreement check)", "collective"):
+        gathered = state.comm.allgather((description, payload))
     everyone = [item[0] for item in gathered]
     for rank, other in enumerate(everyone):
         if other != everyone[0]:
@@ -101,7 +102,8 @@ def allreduce(value: Any, op: ReduceOp = Average) -> Any:
         mpi_op = {ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
                   ReduceOp.PRODUCT: MPI.PROD}.get(op, MPI.SUM)
         result = np.empty_like(array)
-        state.comm.Allreduce(array, result, op=mpi_op)
+        with timeline.span("host allreduce", "collective"):
+            state.comm.Allreduce(array, result, op=mpi_op)
     if op is Average:
         result = result / state.size
     return restore(result)
@@ -130,7 +132,8 @@ def allgather(value: Any) -> np.ndarray:
     row_size = int(np.prod(array.shape[1:], dtype=np.int64))
     result = np.empty((sum(rows),) + array.shape[1:], dtype=array.dtype)
     counts = [count * row_size for count in rows]
-    state.comm.Allgatherv(array, [result, counts])
+    with timeline.span("host allgather", "collective"):
+        state.comm.Allgatherv(array, [result, counts])
     return result
 
 
@@ -153,7 +156,8 @@ def broadcast(value: Any, root_rank: int = 0) -> Any:
     _check_agreement("broadcast", (("dtype", array.dtype.str), ("shape", array.shape),
                                    ("root_rank", root_rank)))
     result = array.copy()
-    state.comm.Bcast(result, root=root_rank)
+    with timeline.span("host broadcast", "collective"):
+        state.comm.Bcast(result, root=root_rank)
     return restore(result)
 
 
@@ -163,17 +167,22 @@ def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
     _check_root(root_rank)
     if state.comm is None:
         return obj
-    return state.comm.bcast(obj, root=root_rank)
+    with timeline.span("host broadcast_object", "collective"):
+        return state.comm.bcast(obj, root=root_rank)
 
 
 def allgather_object(obj: Any) -> List[Any]:
     """Every rank's picklable object, as a list in rank order."""
     state.require()
-    return [obj] if state.comm is None else state.comm.allgather(obj)
+    if state.comm is None:
+        return [obj]
+    with timeline.span("host allgather_object", "collective"):
+        return state.comm.allgather(obj)
 
 
 def barrier() -> None:
     """Wait until every rank has reached this call."""
     state.require()
     if state.comm is not None:
-        state.comm.Barrier()
+        with timeline.span("host barrier", "collective"):
+            state.comm.Barrier()

@@ -6,9 +6,12 @@ it (``mgpu_launch.training.patches``), so this module sits below the engines and
 
 import queue
 import threading
+import time
 from typing import Any, Callable, Iterable
 
+from mgpu_launch.runtime import timeline
 from mgpu_launcher import settings
+
 
 def prefetch_depth(accelerator: bool) -> int:
     """Batches to copy ahead of the step: ``MGPU_PREFETCH`` when set, else 2 on an
@@ -63,7 +66,12 @@ class Prefetcher:
             self._thread.start()
         if self._done:
             raise StopIteration
-        kind, item = self._queue.get()
+        if timeline.recording():  # the time the step waits for its batch: the input wait
+            start = time.monotonic_ns()
+            kind, item = self._queue.get()
+            timeline.add("input wait", "input", start, time.monotonic_ns())
+        else:
+            kind, item = self._queue.get()
         if kind == "item":
             return item
         self._done = True

@@ -8,6 +8,9 @@ allreduce), entering on_train_batch_end, leaving it, validation, on_epoch_end an
 ``fit``. Putting them first and last is what lets a warning say "last seen in
 on_train_batch_end of step 5" when another callback of that step never returns.
 
+The same marks begin the phases of the timeline (``mgpu_launch.runtime.timeline``) when it
+records: each phase lasts until the next mark of its thread.
+
 They are ``async_safe``, so they never stop Keras from dispatching batch-end callbacks on its
 own thread; a mark that arrives late from there is dropped (positions only move forward).
 
@@ -22,7 +25,7 @@ from typing import Any, Dict
 import keras
 
 from mgpu_launch import runtime
-from mgpu_launch.runtime import stall
+from mgpu_launch.runtime import stall, timeline
 from mgpu_launcher import settings, worker
 
 
@@ -56,21 +59,26 @@ class FirstProbe(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         stall.mark(_Steps.step, stall.FIT_BEGIN)
+        timeline.phase("on_train_begin", "callbacks", _Steps.step)
 
     def on_train_batch_begin(self, batch, logs=None):
         _Steps.step += 1
         _Steps.last_begin_batch = batch
         stall.mark(_Steps.step, stall.BATCH_BEGIN)
+        timeline.phase("on_train_batch_begin", "callbacks", _Steps.step)
 
     def on_train_batch_end(self, batch, logs=None):
         stall.mark(_step_of_end(batch), stall.BATCH_END)
+        timeline.phase("on_train_batch_end", "callbacks", _step_of_end(batch))
         report_progress()
 
     def on_test_begin(self, logs=None):
         stall.mark(_Steps.step, stall.VALIDATION)
+        timeline.phase("validation", "other", _Steps.step)
 
     def on_epoch_end(self, epoch, logs=None):
         stall.mark(_Steps.step, stall.EPOCH_END, f"epoch {epoch + 1}")
+        timeline.phase("on_epoch_end", "callbacks", _Steps.step)
 
 
 class LastProbe(keras.callbacks.Callback):
@@ -80,18 +88,24 @@ class LastProbe(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         stall.mark(_Steps.step, stall.TRAIN_STEP)
+        timeline.phase("train step", "step", _Steps.step)
 
     def on_train_batch_end(self, batch, logs=None):
         stall.mark(_step_of_end(batch), stall.AFTER_STEP)
+        # Until the next mark: Keras's loop, and where Keras reads batches in Python (JAX,
+        # torch, TensorFlow fed by the prefetcher) the wait for the next one.
+        timeline.phase("next batch", "input", _step_of_end(batch))
 
     def on_train_end(self, logs=None):
         stall.mark(_Steps.step, stall.FIT_END)
+        timeline.phase(None)
 
 
 def wanted() -> bool:
-    """Whether a fit should carry the probes: the inspector runs, or mgpu-train asks for the
-    progress marker (restarts)."""
-    return stall.active() or settings.flag("MGPU_PROGRESS_MARKER")
+    """Whether a fit should carry the probes: the inspector runs, the timeline records or the
+    efficiency report is on, or mgpu-train asks for the progress marker (restarts)."""
+    return (stall.active() or timeline.recording() or settings.flag("MGPU_PROGRESS_MARKER")
+            or (runtime.is_initialized() and settings.flag("MGPU_EFFICIENCY_REPORT")))
 
 
 def add_probes(arguments: Dict[str, Any]) -> None:

@@ -55,7 +55,7 @@ for label, call in refused.items():
         call()
     except ValueError as error:
         report["errors"][label] = str(error)
-for missing in ("start_timeline", "remove_process_set"):  # hvd.elastic exists (elastic.py)
+for missing in ("ProcessSet", "remove_process_set"):  # hvd.elastic exists (elastic.py)
     try:
         getattr(hvd, missing)
     except AttributeError as error:
@@ -91,11 +91,13 @@ with warnings.catch_warnings(record=True) as caught:
 report["warnings"] = [str(w.message) for w in caught if "experimental_run_tf" in str(w.message)]
 rng = np.random.default_rng(rank)
 x, y = rng.normal(size=(16, 4)).astype("float32"), rng.normal(size=(16, 3)).astype("float32")
+hvd.start_timeline(os.path.join(out_dir, "timeline.json"))  # Horovod's timeline, mgpu's trace
 history = model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[
     hvd.callbacks.BroadcastGlobalVariablesCallback(0, device="/gpu:0"),
     MetricAverageCallback(device="/gpu:0"),
     hvd.callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=1),
     hvd.callbacks.LearningRateScheduleCallback(0.1, lambda epoch: 0.5, start_epoch=1)])
+hvd.stop_timeline()
 report["loss"] = history.history["loss"]
 report["lr"] = history.history["lr"]
 report["weights"] = [w.tolist() for w in model.get_weights()]

@@ -133,7 +133,7 @@ for label, call in {
         "adasum": lambda: hvd.allreduce(tf.ones([1]), op=hvd.Adasum),
         "process_set": lambda: hvd.allreduce(tf.ones([1]), process_set=object()),
         "groups": lambda: hvd.DistributedGradientTape(tf.GradientTape(), groups=2),
-        "timeline": lambda: hvd.start_timeline("/tmp/timeline.json"),
+        "timeline": lambda: hvd.start_timeline("timeline.json", mark_cycles=True),
         "join": lambda: hvd.join(),
         "sparse_min": lambda: hvd.allreduce(tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]),
                                                              tf.constant([3, 2])), op=hvd.Min),

@@ -1,0 +1,265 @@
+"""The efficiency report at the end of ``fit``: why the job is not N times faster.
+
+``fit`` of a model compiled with a DistributedOptimizer gets an :class:`EfficiencyReport`
+callback on every rank (``MGPU_EFFICIENCY_REPORT=0`` leaves it out; set it alike on every
+rank). It starts the timeline recorder (``mgpu_launch.runtime.timeline``) at
+``on_train_begin``, and at ``on_train_end`` rank 0 gathers every rank's slices of this fit and,
+when its ``verbose`` is 1 or more, prints::
+
+    mgpu: efficiency of fit, steps 2-60 on 2 ranks (3.1 s):
+      throughput: 310 samples/s in total; per rank: 155, 155
+      lost: 48% of the ranks' time
+        input wait                    1%
+        waiting for a slower rank    45%  rank 1, 52 ms a step behind the others (callbacks)
+        the rest                      2%  callbacks, validation, Keras's loop
+      advice: rank 1 is 98% slower than the others ...
+
+How each share is measured, from the same slices the timeline file holds (so the two agree):
+
+* **input wait**: the step waiting for its batch in the device prefetcher (``MGPU_PREFETCH``),
+  plus the time between one step's end and the next step's callbacks (where JAX and torch
+  read batches in Python). Without the prefetcher, TensorFlow reads its batches inside the
+  compiled step: that wait then counts as the step's own time.
+* **waiting for a slower rank**: every step ends in the gradient allreduce, which no rank
+  leaves before the last one arrives. A rank's arrival is when it enters its train step plus
+  its input wait there; the others wait ``latest arrival - their arrival``. The rank that
+  arrives last the most is named, and its own extra time in callbacks and other host work
+  (over the median of the others) counts here too: it is what the others waited for. A wait
+  for a rank that was itself waiting for its batch counts as input wait. Limits: a rank that is slower
+  *inside* the compiled step (a slower GPU) arrives on time and leaves late together with the
+  others, so it is invisible here and counts as the step; and the arrivals are compared on
+  clocks aligned to within half an MPI round trip (microseconds on one host).
+* **the rest**: callbacks (every rank's, the probes' phases), validation, and what no phase
+  covers (Keras's loop).
+* Not separated yet: the gradient allreduce's own exposed time is part of the step.
+
+The first step of each fit (tracing and compilation) is left out.
+"""
+
+import statistics
+import sys
+from typing import Any, Dict, List, Optional, Sequence
+
+import keras
+
+from mgpu_launch import runtime
+from mgpu_launch.runtime import timeline
+from mgpu_launcher import settings
+
+CATEGORIES = ("input", "wait", "callbacks", "other", "step")
+_CALLBACKS = {"on_train_begin", "on_train_batch_begin", "on_train_batch_end", "on_epoch_end"}
+
+
+def _per_step(slices: Sequence[tuple]) -> Dict[int, Dict[str, float]]:
+    """step -> {"begin", "ready", "input", "train", "callbacks", "other"} of one rank (ns)."""
+    steps: Dict[int, Dict[str, float]] = {}
+    for thread, name, category, start, duration, step, parent in slices:
+        if thread != 0:
+            continue  # asynchronous callbacks run beside the loop, not in its time
+        record = steps.setdefault(step, {"input": 0.0, "callbacks": 0.0, "other": 0.0,
+                                         "train": 0.0, "in_step_input": 0.0})
+        if name == "on_train_batch_begin" and not parent:
+            record["begin"] = start
+        if name == "train step":
+            record["enter"], record["train"] = start, duration
+        elif name == "input wait" and parent == "train step":
+            record["in_step_input"] += duration
+        elif parent:
+            continue  # nested in a phase that is counted whole (a collective, a wait)
+        elif category == "input":
+            record["input"] += duration
+        elif name in _CALLBACKS:
+            record["callbacks"] += duration
+        else:
+            record["other"] += duration
+    for record in steps.values():
+        record["ready"] = record.get("enter", 0.0) + record["in_step_input"]
+    return steps
+
+
+def analyse(ranks: Sequence[Sequence[tuple]], batch_size: Optional[int]) -> Optional[Dict]:
+    """The report's figures from every rank's slices of one fit (rank 0's clock), or None when
+    fewer than three steps are common to all ranks.
+
+    Returns:
+        {"steps": (first, last), "seconds", "ranks": [per-rank {category: ns, "window"}],
+        "shares": {category: fraction of the ranks' time}, "late": (rank, ns per step,
+        fraction slower, its largest category) or None, "rates": per-rank steps/s,
+        "batch_size"}.
+    """
+    per_rank = [_per_step(slices) for slices in ranks]
+    common = sorted(set.intersection(*[
+        {step for step, record in steps.items() if "begin" in record and "enter" in record}
+        for steps in per_rank]))
+    if len(common) < 3:
+        return None
+    analysed, closing = common[1:-1], common[-1]  # cycles begin(k) -> begin(k+1)
+    totals = []
+    for steps in per_rank:
+        window = steps[closing]["begin"] - steps[analysed[0]]["begin"]
+        total = {name: sum(steps[k][name] for k in analysed)
+                 for name in ("input", "in_step_input", "callbacks", "other", "train")}
+        total.update(window=window, wait=0.0, waited=0.0, lateness=0.0)
+        # what the phases cover; what they do not (Keras's loop between them) is "other"
+        total["other"] += max(0.0, window - total["input"] - total["callbacks"] -
+                              total["other"] - total["train"])
+        total["input"] += total["in_step_input"]
+        totals.append(total)
+    for k in analysed:
+        ready = [steps[k]["ready"] for steps in per_rank]
+        latest = max(ready)
+        last = per_rank[ready.index(latest)]
+        # What the last rank was itself waiting for: its batch (then the others' wait is the
+        # input's cost too, e.g. every rank's loader is slow and rank 1's batch came last).
+        its_input = last[k]["in_step_input"] + last.get(k - 1, {}).get("input", 0.0)
+        for rank, steps in enumerate(per_rank):
+            budget = steps[k]["train"] - steps[k]["in_step_input"]
+            waited = min(max(0.0, latest - ready[rank]), max(0.0, budget))
+            totals[rank]["waited"] += waited
+            totals[rank]["input" if its_input >= 0.5 * waited else "wait"] += waited
+            others = ready[:rank] + ready[rank + 1:]
+            if others:
+                totals[rank]["lateness"] += ready[rank] - statistics.median(others)
+    late = None
+    if len(totals) > 1:
+        rank = max(range(len(totals)), key=lambda r: totals[r]["lateness"])
+        behind = totals[rank]["lateness"] / len(analysed)
+        others = [t for r, t in enumerate(totals) if r != rank]
+        typical = statistics.median(t["window"] for t in others) / len(analysed)
+        if behind > 0.1 * typical:  # below: the jitter of a sleep or a thread switch
+            excess = {name: max(0.0, totals[rank][name] - statistics.median(
+                t[name] for t in others)) for name in ("input", "callbacks", "other")}
+            cause = max(excess, key=excess.get)
+            if excess[cause] < 0.25 * totals[rank]["lateness"]:
+                cause = "unknown"  # late without spending it in a phase: e.g. its clock
+            del excess["input"]  # the others' wait for its batches is input wait already
+            for name, extra in excess.items():  # what the others waited for
+                totals[rank][name] -= extra
+                totals[rank]["wait"] += extra
+            late = (rank, behind, behind / max(1.0, typical - behind), cause)
+    for total in totals:
+        total["step"] = total["train"] - total["in_step_input"] - total["waited"]
+    time_all = sum(t["window"] for t in totals) or 1.0
+    shares = {name: sum(t[name] for t in totals) / time_all
+              for name in ("input", "wait", "callbacks", "other")}
+    return {"steps": (analysed[0], closing), "seconds": totals[0]["window"] / 1e9,
+            "ranks": totals, "shares": shares, "late": late, "batch_size": batch_size,
+            "rates": [len(analysed) / max(t["window"] / 1e9, 1e-9) for t in totals]}
+
+
+_WORDS = {"input": "its input", "callbacks": "callbacks", "other": "other host work",
+          "unknown": "no phase of its own"}
+
+
+def advice(figures: Dict) -> str:
+    """One line of advice for the largest lost share."""
+    shares = figures["shares"]
+    lost = {"input": shares["input"], "wait": shares["wait"],
+            "rest": shares["callbacks"] + shares["other"]}
+    largest = max(lost, key=lost.get)
+    if lost[largest] < 0.05:
+        return "no cause above 5%: the step itself (compute and gradient allreduce) dominates"
+    if largest == "input":
+        return ("input: the step waits for its batches; raise MGPU_PREFETCH, give the "
+                "PyDataset workers (workers=4, use_multiprocessing=True) or use tf.data with "
+                ".prefetch(tf.data.AUTOTUNE)")
+    if largest == "wait" and figures["late"] is not None:
+        rank, _, slower, cause = figures["late"]
+        return (f"rank {rank} is {100 * slower:.0f}% slower than the others, in "
+                f"{_WORDS[cause]}: another job on its GPU or CPU, or work only it does?")
+    if largest == "wait":
+        return "ranks take turns being late: look at the timeline (MGPU_TIMELINE=FILE)"
+    return ("callbacks and Keras's loop: make per-batch callbacks cheaper or run them every N "
+            "batches, and raise compile(steps_per_execution=)")
+
+
+def render(figures: Dict) -> str:
+    """The report's text (see the module docstring)."""
+    first, last = figures["steps"]
+    rates, batch = figures["rates"], figures["batch_size"]
+    unit, scale = ("samples/s", batch) if batch else ("steps/s", 1)
+    lines = [f"mgpu: efficiency of fit, steps {first}-{last} on {len(rates)} "
+             f"rank{'s' if len(rates) > 1 else ''} ({figures['seconds']:.1f} s):",
+             f"  throughput: {sum(rates) * scale:.4g} {unit} in total; per rank: "
+             + ", ".join(f"{rate * scale:.4g}" for rate in rates)
+             + ("" if batch else " (batch size unknown)")]
+    shares = figures["shares"]
+    lost = shares["input"] + shares["wait"] + shares["callbacks"] + shares["other"]
+    lines.append(f"  lost: {100 * lost:.0f}% of the ranks' time")
+    late = figures["late"]
+    who = (f"rank {late[0]}, {late[1] / 1e6:.0f} ms a step behind the others "
+           f"({_WORDS[late[3]]})" if late else "")
+    for label, share, detail in (
+            ("input wait", shares["input"], ""),
+            ("waiting for a slower rank", shares["wait"], who),
+            ("the rest", shares["callbacks"] + shares["other"],
+             "callbacks, validation, Keras's loop")):
+        lines.append(f"    {label:<28}{100 * share:3.0f}%  {detail}".rstrip())
+    lines.append(f"  advice: {advice(figures)}")
+    return "\n".join(lines)
+
+
+def batch_size_of(arguments: Dict[str, Any]) -> Optional[int]:
+    """Samples per step of a ``fit`` call (its bound arguments), where Keras's own rule gives
+    it: arrays (``batch_size``, default 32) and a tf.data set with a static batch dimension."""
+    data = arguments.get("x")
+    if isinstance(data, keras.utils.PyDataset) or data is None:
+        return None
+    spec = getattr(data, "element_spec", None)
+    if spec is not None:
+        leaves = keras.tree.flatten(spec)
+        dim = leaves[0].shape[0] if leaves and len(leaves[0].shape) else None
+        return int(dim) if dim is not None else None
+    leaves = keras.tree.flatten(data)
+    if leaves and hasattr(leaves[0], "shape") and len(leaves[0].shape):
+        return min(arguments.get("batch_size") or 32, int(leaves[0].shape[0]))
+    return None
+
+
+def add_report(arguments: Dict[str, Any]) -> None:
+    """Append an :class:`EfficiencyReport` to the callbacks of a ``fit`` call (its bound
+    arguments; called by the ``fit`` patch on every rank when ``MGPU_EFFICIENCY_REPORT`` is
+    on)."""
+    report = EfficiencyReport(batch_size_of(arguments))
+    callbacks = arguments.get("callbacks")
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks.append(report)
+    else:
+        arguments["callbacks"] = list(callbacks or []) + [report]
+
+
+def wanted() -> bool:
+    """``MGPU_EFFICIENCY_REPORT`` (default on), after ``mgpu.init()`` (a fit before it has no
+    job to report on)."""
+    return runtime.is_initialized() and settings.flag("MGPU_EFFICIENCY_REPORT")
+
+
+class EfficiencyReport(keras.callbacks.Callback):
+    """Records this fit on every rank; rank 0 prints the report at its end (verbose >= 1).
+
+    Added by the ``fit`` patch (``mgpu_launch.training.patches``) on every rank alike: its
+    ``on_train_begin`` and ``on_train_end`` are collectives.
+
+    Args:
+        batch_size: samples per step on one rank, when fit knows it (None: steps/s are shown).
+    """
+
+    def __init__(self, batch_size: Optional[int] = None):
+        super().__init__()
+        self.batch_size = batch_size
+        self.bookmark = 0
+        self.figures: Optional[Dict[str, Any]] = None
+
+    def on_train_begin(self, logs=None):
+        timeline.ensure_recording(runtime.state)
+        self.bookmark = timeline.appended()
+
+    def on_train_end(self, logs=None):
+        state = runtime.state
+        own = timeline.since(self.bookmark)
+        ranks = state.comm.gather(own, root=0) if state.comm is not None else [own]
+        if state.rank != 0:
+            return
+        self.figures = analyse(ranks, self.batch_size)
+        if self.figures is not None and self.params.get("verbose", 0):
+            print(render(self.figures), file=sys.stdout, flush=True)

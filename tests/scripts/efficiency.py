@@ -1,0 +1,50 @@
+"""Test worker for the efficiency report and the timeline: a short fit made slow on purpose.
+
+    mgpu-train -np 2 [--timeline FILE] efficiency.py MODE
+
+MODE ``input``: every batch takes SLEEP seconds to read (a PyDataset sleeping in
+``__getitem__``). MODE ``rank``: rank 1 alone sleeps SLEEP seconds in a callback before each
+step. MODE ``plain``: neither. Rank 0 prints the report (verbose=2).
+"""
+
+import sys
+import time
+
+import numpy as np
+
+import mgpu_launch as mgpu
+
+mgpu.init()
+import keras  # noqa: E402
+
+MODE, SLEEP, BATCHES, BATCH = sys.argv[1], 0.04, 24, 16
+
+
+class Batches(keras.utils.PyDataset):
+    def __init__(self):
+        super().__init__()
+        rng = np.random.default_rng(mgpu.rank())
+        self.x = rng.normal(size=(BATCHES * BATCH, 8)).astype("float32")
+        self.y = rng.normal(size=(BATCHES * BATCH, 1)).astype("float32")
+
+    def __len__(self):
+        return BATCHES
+
+    def __getitem__(self, index):
+        if MODE == "input":
+            time.sleep(SLEEP)
+        part = slice(index * BATCH, (index + 1) * BATCH)
+        return self.x[part], self.y[part]
+
+
+class SlowRank(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+        if MODE == "rank" and mgpu.rank() == 1:
+            time.sleep(SLEEP)
+
+
+keras.utils.set_random_seed(1)
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                          keras.layers.Dense(1)])
+model.compile(optimizer=mgpu.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+model.fit(Batches(), epochs=1, verbose=2 if mgpu.rank() == 0 else 0, callbacks=[SlowRank()])

@@ -1,0 +1,73 @@
+"""The efficiency report names the cause a job was made slow by, and the timeline of the same
+job is a valid trace: real 2-process jobs (tests/scripts/efficiency.py), a few seconds of fit."""
+
+import json
+import os
+import re
+import statistics
+
+import pytest
+
+import timelinekit
+from conftest import BACKEND, SCRIPTS, launch_ok, requires_mpirun
+
+pytestmark = [requires_mpirun, pytest.mark.backend, pytest.mark.job,
+              pytest.mark.usefixtures("backend")]
+WORKER = os.path.join(SCRIPTS, "efficiency.py")
+# MGPU_PREFETCH=1: without the device prefetcher TensorFlow reads its batches inside the
+# compiled step, where the input wait cannot be told apart from the step (efficiency.py).
+QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_BACKEND": BACKEND, "MGPU_PREFETCH": "1"}
+
+
+def report_of(stdout: str) -> dict:
+    """{"input wait": %, "waiting for a slower rank": %, "the rest": %, "who": ...,
+    "advice": ...} of the report rank 0 printed."""
+    lines = [re.sub(r"^\[\d+\] ", "", line) for line in stdout.splitlines()]
+    start = next(i for i, line in enumerate(lines) if line.startswith("mgpu: efficiency"))
+    found = {}
+    for line in lines[start:start + 8]:
+        share = re.match(r"^\s+(input wait|waiting for a slower rank|the rest)\s+(\d+)%\s*(.*)$",
+                         line)
+        if share:
+            found[share.group(1)] = int(share.group(2))
+            found.setdefault("who", {})[share.group(1)] = share.group(3)
+        elif line.strip().startswith("advice:"):
+            found["advice"] = line.strip()[len("advice: "):]
+    return found
+
+
+def test_a_slow_input_is_named_input(tmp_path):
+    result = launch_ok("-np", "2", WORKER, "input", timeout=240, **QUIET)
+    report = report_of(result.stdout)
+    assert report["input wait"] >= 50, result.stdout
+    assert report["input wait"] > report["waiting for a slower rank"] + report["the rest"]
+    assert report["advice"].startswith("input:"), result.stdout
+
+
+def test_a_slow_rank_is_named_and_the_trace_has_one_aligned_track_per_rank(tmp_path):
+    trace = tmp_path / "trace" / "timeline.json"
+    result = launch_ok("-np", "2", "--timeline", str(trace), WORKER, "rank", timeout=240,
+                       **QUIET)
+    report = report_of(result.stdout)
+    assert report["waiting for a slower rank"] >= 40, result.stdout
+    assert report["who"]["waiting for a slower rank"].startswith("rank 1,"), result.stdout
+    assert report["advice"].startswith("rank 1 is"), result.stdout
+
+    document = json.loads(trace.read_text())
+    tracks = timelinekit.check_trace(document)
+    names = {e["pid"]: e["args"]["name"] for e in document["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {0: "rank 0", 1: "rank 1"}
+    steps = {rank: [e for e in tracks[(rank, 0)] if e["name"] == "train step"]
+             for rank in (0, 1)}
+    assert [e["args"]["step"] for e in steps[0]] == list(range(1, 25)), steps[0]
+    assert [e["args"]["step"] for e in steps[1]] == list(range(1, 25))
+    # Both ranks leave each step's allreduce together: on clocks aligned to rank 0's, the
+    # steps end within a few ms of each other, and rank 0 (waiting for rank 1) enters early.
+    ends = [abs((a["ts"] + a["dur"]) - (b["ts"] + b["dur"]))
+            for a, b in zip(steps[0][1:], steps[1][1:])]
+    assert statistics.median(ends) < 5000, ends  # microseconds
+    early = [b["ts"] - a["ts"] for a, b in zip(steps[0][1:], steps[1][1:])]
+    assert statistics.median(early) > 30000, early  # rank 1 sleeps 40 ms before each step
+    collectives = {e["name"] for e in tracks[(0, 0)] if e["cat"] == "collective"}
+    assert "host allgather_object" in collectives, collectives  # the fit guard's check
