@@ -23,24 +23,13 @@ import sys
 from typing import List, Optional, Sequence, Tuple
 
 from mgpu_launcher import (__version__, devices, elastic, environments, hostfiles, mpirun,
-                           settings, supervisor, worker)
-
-PROG = "mgpu-train"
+                           settings, supervisor, usage, worker)
+from mgpu_launcher.usage import KERAS_BACKENDS, PROG, UsageError  # noqa: F401 (public here)
 
 #: Forwarded to every rank (remote hosts included) whenever they are set.
 FORWARDED_VARIABLES = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "KERAS_BACKEND", "KERAS_HOME",
                        "VIRTUAL_ENV")
 FORWARDED_PREFIXES = ("MGPU_", "NCCL_", "XLA_", "TF_", "JAX_", "CUDA_", "OMP_")
-
-#: the Keras backends mgpu_launch has an engine for (mgpu_launch.engines.ENGINES; this package
-#: imports nothing of the library, tests/launcher/test_cli.py checks that the two lists agree)
-KERAS_BACKENDS = ("tensorflow", "jax", "torch")
-
-_HOST_ENTRY = re.compile(r"^[A-Za-z0-9_.\-]+(:\d+)?$")
-
-
-class UsageError(Exception):
-    """A bad command line: printed as one line, exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -145,75 +134,6 @@ def split_argv(parser: argparse.ArgumentParser, argv: Sequence[str]):
     return argv, None, None, []
 
 
-def _parse_np(value: Optional[str]) -> Optional[int]:
-    if value is None:
-        return None
-    if value == "auto":
-        return max(1, len(devices.visible_gpus()))
-    try:
-        np = int(value)
-    except ValueError:
-        np = 0
-    if np < 1:
-        raise UsageError(f"-np {value!r}: expected a whole number of processes >= 1, or "
-                         f"'auto' (one per visible GPU), e.g. -np 2")
-    return np
-
-
-def _parse_max_restarts(value: Optional[str]) -> int:
-    if value is None:
-        return settings.integer("MGPU_MAX_RESTARTS")
-    try:
-        count = int(value)
-    except ValueError:
-        count = -1
-    if count < 0:
-        raise UsageError(f"--max-restarts {value!r}: expected a whole number of restarts >= 0, "
-                         f"e.g. --max-restarts 3")
-    return count
-
-
-def _check_settings(forward: Sequence[str]) -> None:
-    """Every MGPU_* variable (set here, or by -x NAME=VALUE) has a good value."""
-    given = dict(item.partition("=")[::2] for item in forward if "=" in item)
-    try:
-        settings.check({**os.environ, **given})
-    except settings.SettingError as error:
-        raise UsageError(str(error)) from None
-
-
-def _check_hosts(hosts: str) -> None:
-    for entry in hosts.split(","):
-        if not _HOST_ENTRY.match(entry):
-            raise UsageError(f"--hosts entry {entry!r} does not parse: expected HOST or "
-                             f"HOST:SLOTS, comma-separated, e.g. -H node1:4,node2:4")
-
-
-def _check_script(target: str) -> None:
-    """A script path python could run: a file, or a folder with __main__.py (as python)."""
-    if os.path.isdir(target):
-        if not os.path.isfile(os.path.join(target, "__main__.py")):
-            raise UsageError(f"can't run {target!r}: it is a directory (without __main__.py); "
-                             f"expected a Python script, e.g. {PROG} -np 2 train.py, or "
-                             f"-m module")
-    elif not os.path.isfile(target):
-        raise UsageError(f"can't open file {target!r}: no such file")
-
-
-def _check_keras_backend(forward: Sequence[str]) -> None:
-    """KERAS_BACKEND (set here, or by -x KERAS_BACKEND=...) names a backend mgpu-launch runs."""
-    value = os.environ.get("KERAS_BACKEND")
-    for item in forward:
-        name, has_value, given = item.partition("=")
-        if name == "KERAS_BACKEND" and has_value:
-            value = given
-    if value is not None and value not in KERAS_BACKENDS and \
-            settings.choice("MGPU_ENGINE") != "none":
-        raise UsageError(f"KERAS_BACKEND={value!r} is not a backend mgpu-launch runs; expected "
-                         f"one of {', '.join(KERAS_BACKENDS)}, e.g. KERAS_BACKEND=jax (unset, "
-                         f"Keras uses tensorflow)")
-
-
 def parse_args(argv: Sequence[str]) -> Config:
     """Parse and validate a command line (without the program name).
 
@@ -226,11 +146,11 @@ def parse_args(argv: Sequence[str]) -> Config:
     if options.env_report:  # prints the report, runs nothing (and shows bad settings)
         return Config(kind=kind, target=target, args=tuple(args), np=None, env_report=True,
                       hostfile=options.hostfile, slots_per_host=options.slots_per_host)
-    _check_settings(options.forward)
-    np = _parse_np(options.np)
-    max_restarts = _parse_max_restarts(options.max_restarts)
+    usage.check_settings(options.forward)
+    np = usage.parse_np(options.np)
+    max_restarts = usage.parse_max_restarts(options.max_restarts)
     if options.hosts:
-        _check_hosts(options.hosts)
+        usage.check_hosts(options.hosts)
     standalone_only = {"--hosts": options.hosts, "--hostfile": options.hostfile,
                        "--slots-per-host": options.slots_per_host,
                        "--mpirun": options.mpirun, "--mpirun-args": options.mpirun_args,
@@ -250,12 +170,12 @@ def parse_args(argv: Sequence[str]) -> Config:
         raise UsageError("no program to run: give a script, -m module or -c code, "
                          f"e.g. {PROG} -np 2 train.py")
     if kind == "script":
-        _check_script(target)
+        usage.check_script(target)
     for item in options.forward:
         if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*(=.*)?$", item):
             raise UsageError(f"-x {item!r}: expected an environment variable NAME or "
                              f"NAME=VALUE, e.g. -x NCCL_DEBUG=INFO")
-    _check_keras_backend(options.forward)
+    usage.check_keras_backend(options.forward)
     grow = None
     if np is not None:
         try:
