@@ -30,6 +30,8 @@ def _synchronize_batch_norm(state) -> None:
             state.size > 1 or "keras" in sys.modules):
         from mgpu_launch.training import patches
         patches.install_synchronized_batch_norm()
+        if state.size > 1 and _engines.get_engine().name == "torch":
+            patches.install_torch_process_group_guards()
 
 
 _runtime.add_hooks(start=_synchronize_batch_norm, stop=lambda: None)

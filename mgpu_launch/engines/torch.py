@@ -284,9 +284,15 @@ class GradientBuckets:
         return [id(v) for v in variables] == self.ids
 
     def finish(self, grads) -> List[Any]:
-        """Launch what backward left (missing gradients as zeros), wait, return the results."""
+        """Launch what backward left, from `grads` (missing gradients as zeros), wait, return
+        the results. `grads`, not ``.grad``: Keras >= 3.16's jit_compile=True step computes the
+        gradients with torch.autograd.grad, which fills no ``.grad`` and runs no hook."""
+        grads = list(grads)
         while self.next_bucket < len(self.buckets):
-            self._launch(self.next_bucket)
+            indices = self.buckets[self.next_bucket].indices
+            self.launched[self.next_bucket] = self.reducer.launch(
+                [grads[i] for i in indices], [self.params[i] for i in indices])
+            self.next_bucket += 1
         result: List[Any] = [None] * len(self.params)
         for position, bucket in enumerate(self.buckets):
             wire, work = self.launched[position]

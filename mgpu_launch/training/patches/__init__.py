@@ -30,8 +30,13 @@ Keras attribute                            backend   why
 ``JAXTrainer.make_train_function``         jax       run the train step under the engine's
                                                      ``shard_map`` (gradients ``psum``-ed)
 ``JAXTrainer.jax_state_sync``              jax       give Keras process-local arrays back
-``TorchTrainer._initialize_ddp``           torch     Keras >= 3.16 only: no DDP around a model
-                                                     whose gradients we reduce already
+``TorchTrainer._initialize_ddp``           torch     Keras >= 3.16 only: no DDP around any
+                                                     model once mgpu owns the process group
+                                                     (ours: reduced already; others: local,
+                                                     and DDP's set-up is a collective)
+``TorchTrainer.get_metrics_result``        torch     Keras >= 3.16 only: metrics stay per rank
+                                                     (its per-step metric all-reduce hangs a
+                                                     fit or evaluate on one rank alone)
 ``Trainer.get_compile_config``             all       save the inner optimizer (and the wrapper's
                                                      settings in a key Keras ignores), so a
                                                      saved model loads without mgpu_launch
@@ -166,6 +171,7 @@ PATCHES = {
     "jax_train_function": Patch(_JAX_TRAINER, "make_train_function", ("self", "force")),
     "jax_state_sync": Patch(_JAX_TRAINER, "jax_state_sync", ("self",)),
     "torch_ddp": Patch(_TORCH_TRAINER, "_initialize_ddp", ("self",), optional=True),
+    "torch_metrics": Patch(_TORCH_TRAINER, "get_metrics_result", ("self",)),
     "torch_train_function": Patch(_TORCH_TRAINER, "make_train_function", ("self", "force")),
     "torch_sgd_update": Patch("keras.src.backend.torch.optimizers.torch_sgd:SGD",
                               "_parallel_update_step",
@@ -186,7 +192,8 @@ PATCHES = {
 BY_BACKEND = {
     "tensorflow": ("fit", "compile_config", "tf_auto_jit", "tf_iterator"),
     "jax": ("fit", "compile_config", "jax_iterator", "jax_train_function", "jax_state_sync"),
-    "torch": ("fit", "compile_config", "torch_iterator", "torch_ddp", "torch_train_function"),
+    "torch": ("fit", "compile_config", "torch_iterator", "torch_ddp", "torch_metrics",
+              "torch_train_function"),
 }
 #: applied once a torch train step is wrapped for CUDA-graph capture: otherwise every step of
 #: every torch job would pay their extra Python frames (convert_to_tensor runs many times a step)
@@ -253,6 +260,13 @@ def resume_at(epochs_done: int, batches_done: int) -> None:
         apply("resume_iterator")
 
 
+def install_torch_process_group_guards() -> None:
+    """At mgpu.init() on torch: Keras >= 3.16 runs no collective of its own on mgpu's process
+    group (no DDP wrapper, no metric sums), for every model, whatever its optimizer."""
+    for name in ("torch_ddp", "torch_metrics"):
+        apply(name)
+
+
 def install_synchronized_batch_norm() -> None:
     """Make ``BatchNormalization(synchronized=True)`` synchronize under mgpu, on every backend."""
     for name in ("batch_norm_init", "batch_norm_moments"):
@@ -291,6 +305,9 @@ _FACTORIES = {
     "torch_iterator": _training.epoch_iterator, "tf_iterator": _training.epoch_iterator,
     "jax_train_function": _training.jax_train_function,
     "jax_state_sync": _training.jax_state_sync, "torch_ddp": _training.torch_ddp,
+    # Keras's own (BaseTrainer's) get_metrics_result: the result without the cross-rank sum
+    "torch_metrics": lambda original: _training.torch_metrics(
+        original, Patch(_TRAINER, "get_metrics_result", ("self",)).check()),
     "torch_train_function": lambda original: _training.torch_train_function(
         original, on_capture=_install_for_cuda_graphs),
     "torch_sgd_update": _training.torch_sgd_update, "torch_scalars": _training.torch_scalars,

@@ -104,12 +104,33 @@ def jax_state_sync(original):
     return jax_state_sync
 
 
+def owns_torch_process_group() -> bool:
+    """Whether mgpu.init() started this process's torch.distributed (TorchEngine.setup refuses
+    one started before it): then Keras's own collectives (DDP, metric sums) are not ours to run."""
+    return runtime.is_multi_process() and engines.get_engine().reduces_in_step()
+
+
 def torch_ddp(original):
+    # Keras >= 3.16 wraps every model in DDP once torch.distributed is up. A DistributedOptimizer
+    # model: mgpu reduces its gradients already. Any other model (a reference trained on one
+    # rank, a rank-0 evaluation): it is local, and DDP's constructor is a collective the other
+    # ranks never join (a deadlock).
     def _initialize_ddp(self):
-        if uses_distributed_optimizer(self):
-            return  # mgpu_launch reduces the gradients; DDP would do it a second time
+        if uses_distributed_optimizer(self) or owns_torch_process_group():
+            return
         original(self)
     return _initialize_ddp
+
+
+def torch_metrics(original, base):
+    # Keras >= 3.16 all-reduces every metric variable in get_metrics_result (each train and
+    # test step): extra blocking collectives per step, and a hang when one rank alone runs
+    # fit/evaluate. Under mgpu metrics stay per rank (MetricAverageCallback averages them).
+    def get_metrics_result(self):
+        if owns_torch_process_group():
+            return base(self)
+        return original(self)
+    return get_metrics_result
 
 
 def tf_auto_jit(original):
