@@ -17,8 +17,8 @@ per process with CUDA_VISIBLE_DEVICES) or gloo on CPU.
 Keras >= 3.16 wraps the model in ``DistributedDataParallel`` by itself when torch.distributed
 is initialized (``TorchTrainer._initialize_ddp``): gradients would then be reduced twice (once
 by DDP, once here) and BatchNorm buffers broadcast from rank 0 every step.
-mgpu_launch.training.patches skips that wrapping for models compiled with a DistributedOptimizer;
-other models keep Keras's behaviour.
+Once mgpu.init() has started the process group, mgpu_launch.training.patches skips that
+wrapping for every model (docs/backends.md, "PyTorch backend").
 """
 
 import datetime
@@ -271,12 +271,13 @@ class GradientBuckets:
             self.arrived[bucket] += 1
             while (self.next_bucket < len(self.buckets) and self.arrived[self.next_bucket]
                    == len(self.buckets[self.next_bucket].indices)):
-                self._launch(self.next_bucket)
+                self._launch(self.next_bucket, lambda i: self.params[i].grad)
         return on_gradient
 
-    def _launch(self, bucket):
+    def _launch(self, bucket, gradient_of):
+        """Start bucket `bucket`'s allreduce; `gradient_of(i)` is parameter i's gradient."""
         indices = self.buckets[bucket].indices
-        self.launched[bucket] = self.reducer.launch([self.params[i].grad for i in indices],
+        self.launched[bucket] = self.reducer.launch([gradient_of(i) for i in indices],
                                                     [self.params[i] for i in indices])
         self.next_bucket += 1
 
@@ -289,10 +290,7 @@ class GradientBuckets:
         gradients with torch.autograd.grad, which fills no ``.grad`` and runs no hook."""
         grads = list(grads)
         while self.next_bucket < len(self.buckets):
-            indices = self.buckets[self.next_bucket].indices
-            self.launched[self.next_bucket] = self.reducer.launch(
-                [grads[i] for i in indices], [self.params[i] for i in indices])
-            self.next_bucket += 1
+            self._launch(self.next_bucket, grads.__getitem__)
         result: List[Any] = [None] * len(self.params)
         for position, bucket in enumerate(self.buckets):
             wire, work = self.launched[position]
