@@ -84,6 +84,7 @@ def add_hooks(start: Callable[[State], None], stop: Callable[[], None]) -> None:
 def _abort_on_uncaught(exc_type, exc, tb):
     """Print as python would, then abort the MPI job so no rank waits in a collective forever."""
     (state.previous_excepthook or sys.__excepthook__)(exc_type, exc, tb)
+    timeline.dump_own("uncaught exception")  # the collective write at shutdown never comes
     status = 130 if issubclass(exc_type, KeyboardInterrupt) else 1
     worker.abort_job(status, worker.describe_exception(exc, status))
 

@@ -114,7 +114,7 @@ def run(fn: Callable, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]]
         np: int = 1, hosts: Optional[str] = None, hostfile: Optional[str] = None,
         all_ranks: bool = False, env: Optional[Dict[str, str]] = None,
         mpirun_args: Sequence[str] = (), all_ranks_output: bool = False,
-        work_dir: Optional[str] = None) -> Any:
+        work_dir: Optional[str] = None, timeline: Optional[str] = None) -> Any:
     """Run ``fn(*args, **kwargs)`` on `np` processes, as ``mgpu-train -np N`` would.
 
     fn runs as a rank's program: it calls ``mgpu.init()`` (or ``hvd.init()``) itself, like a
@@ -135,6 +135,8 @@ def run(fn: Callable, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]]
             Created with mode 0700 when it does not exist; an existing one must be a folder
             of yours that no other user may write in, on a path no other user may change
             (else PermissionError). Files of an earlier call there are replaced.
+        timeline: a file for the job's timeline, a Chrome/Perfetto trace of every rank's
+            step phases (as ``mgpu-train --timeline FILE``; ``MGPU_TIMELINE``).
 
     Returns:
         What fn returned on rank 0, or the list of every rank's results with `all_ranks`.
@@ -159,7 +161,13 @@ def run(fn: Callable, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]]
     if isinstance(np, bool) or not isinstance(np, int) or np < 1:
         raise ValueError(f"mgpu_launch.run: np={np!r}; expected a whole number of processes "
                          f">= 1, e.g. np=2")
-    settings.check({**os.environ, **{name: str(value) for name, value in (env or {}).items()}})
+    env = dict(env or {})
+    if timeline is not None:
+        if not isinstance(timeline, (str, os.PathLike)) or not os.fspath(timeline).strip():
+            raise ValueError(f"mgpu_launch.run: timeline={timeline!r}; expected a file path, "
+                             f"e.g. timeline='timeline.json'")
+        env["MGPU_TIMELINE"] = os.path.abspath(os.fspath(timeline))
+    settings.check({**os.environ, **{name: str(value) for name, value in env.items()}})
     _dumps(fn, "fn")  # alone first: its message names the function
     payload = _dumps((fn, tuple(args), dict(kwargs or {})), "args/kwargs")
     own_dir = work_dir is None
@@ -167,7 +175,7 @@ def run(fn: Callable, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]]
     key = auth.new_key()
     try:
         folders.create_new(os.path.join(folder, PAYLOAD), auth.sign(key, "payload", payload))
-        forward = tuple(f"{name}={value}" for name, value in (env or {}).items())
+        forward = tuple(f"{name}={value}" for name, value in env.items())
         forward += (f"{KEY_VARIABLE}={key.hex()}",)  # mpirun gets -x NAME: no value on argv
         config = cli.Config(kind="module", target=__name__, args=(folder,), np=np, hosts=hosts,
                             hostfile=hostfile, mpirun_args=tuple(mpirun_args), forward=forward,

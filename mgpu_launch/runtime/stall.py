@@ -35,7 +35,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
-from mgpu_launch.runtime import auth, rendezvous, stall_channel
+from mgpu_launch.runtime import auth, rendezvous, stall_channel, timeline
 from mgpu_launcher import settings as declared
 from mgpu_launcher import worker
 
@@ -226,6 +226,7 @@ class Monitor(threading.Thread):
         if 0 in ranks:
             print("mgpu: stall: rank 0's Python stacks:", file=sys.stderr, flush=True)
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        timeline.dump_own("stall")  # rank 0's, always: the others' positions are in it
 
     def stop(self) -> None:
         self.stopped.set()
@@ -275,7 +276,7 @@ def start(state) -> None:
         rank, key = state.rank, state.job_key
         _inspector = stall_channel.Reporter(
             rank, lambda: auth.connect(host, int(number), key, rank, timeout=10), position,
-            REPORT_INTERVAL_S)
+            REPORT_INTERVAL_S, on_request=lambda: timeline.dump_own("stall"))
     _inspector.start()
 
 

@@ -23,7 +23,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from mgpu_launch.runtime import auth
 
@@ -190,15 +190,19 @@ class Reporter(threading.Thread):
             (:func:`mgpu_launch.runtime.auth.connect`); raises OSError or auth.Rejected.
         position: returns this rank's current position.
         interval: seconds between two looks at the position.
+        on_request: called (no arguments) after the stacks are printed, e.g. to dump this
+            rank's timeline.
     """
 
     #: the longest wait between two attempts to reach rank 0
     RETRY_S = 2.0
 
     def __init__(self, rank: int, connect: Callable[[], auth.ClientChannel],
-                 position: Callable[[], Position], interval: float = 0.5):
+                 position: Callable[[], Position], interval: float = 0.5,
+                 on_request: Optional[Callable[[], Any]] = None):
         super().__init__(name="mgpu-stall-reporter", daemon=True)
         self.rank, self.connect, self.position = rank, connect, position
+        self.on_request = on_request
         self.interval, self.stopped = interval, threading.Event()
         self.channel: Optional[auth.ClientChannel] = None
 
@@ -243,6 +247,8 @@ class Reporter(threading.Thread):
                         print(f"mgpu: stall: rank {self.rank}'s Python stacks (asked by rank 0):",
                               file=sys.stderr, flush=True)
                         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                        if self.on_request is not None:
+                            self.on_request()
         except (OSError, ValueError):  # ValueError: auth.Rejected, or the socket was closed
             return
         finally:

@@ -17,28 +17,31 @@ within about half that round trip.
 
 :func:`write` (rank 0, collective) gathers every rank's slices and writes one trace-event JSON
 file: one process per rank (``pid`` = rank, named ``rank N``), one thread track per recording
-thread, ``"X"`` events with ``ts``/``dur`` in microseconds. Open it in ``ui.perfetto.dev`` or
-``chrome://tracing``. The file is written atomically: a new temporary file beside the target,
-created with ``O_EXCL | O_NOFOLLOW`` (mgpu_launch.runtime.folders.create_new), renamed over
-it — a link planted at either name is replaced, never written through.
+thread, ``"X"`` events with ``ts``/``dur`` in microseconds (``mgpu_launch.runtime.trace_files``
+holds the format and writes it atomically, never through a planted link). Open it in
+``ui.perfetto.dev`` or ``chrome://tracing``.
 
-``MGPU_TIMELINE=FILE`` (or ``mgpu-train --timeline FILE``) starts it at ``mgpu.init()`` and
-writes the file at ``mgpu.shutdown()``; ``start()`` / ``stop()`` do it by hand (Horovod's
-``hvd.start_timeline`` / ``hvd.stop_timeline``). Recording a slice costs one clock read and one
+``MGPU_TIMELINE=FILE`` (or ``mgpu-train --timeline FILE``, or ``mgpu_launch.run(...,
+timeline=FILE)``) starts it at ``mgpu.init()`` and writes the file at ``mgpu.shutdown()``;
+``start()`` / ``stop()`` do it by hand (Horovod's ``hvd.start_timeline`` /
+``hvd.stop_timeline``). A job that never gets there still leaves what it recorded:
+:func:`dump_own` writes one rank's slices, with the phase it is in at that moment, to
+``FILE.rank<N>.json`` (no collective) when the rank dies of an uncaught exception and, on a
+stall, on rank 0 and on each rank the inspector names; ``python3 -m
+mgpu_launch.runtime.trace_files merge OUT FILE.rank*.json`` joins them into one trace.
+Recording a slice costs one clock read and one
 deque append; when nothing records, every hook is one ``None`` test. No framework is imported.
 """
 
 import collections
 import contextlib
-import json
 import os
-import secrets
 import sys
 import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from mgpu_launch.runtime import folders
+from mgpu_launch.runtime import trace_files
 from mgpu_launcher import settings
 
 #: slices each rank keeps (the oldest go first): about 10 MiB, some 15,000 steps of fit
@@ -47,8 +50,7 @@ CAPACITY = 100_000
 PING_ROUNDS = 16
 _PING_TAG = 0x7E1
 
-# (thread index, name, category, start ns, duration ns, step, parent phase name)
-Slice = Tuple[int, str, str, int, int, int, str]
+Slice = trace_files.Slice  # (thread index, name, category, start ns, duration ns, step, parent)
 
 
 class Recorder:
@@ -266,25 +268,44 @@ def on_shutdown() -> None:
     _recorder, _offsets = None, None
 
 
-def trace_events(gathered: List[Tuple[List[Slice], Dict[int, str]]]) -> List[Dict[str, Any]]:
-    """The trace events of every rank's (slices, thread names), rank 0's start at ts 0."""
-    starts = [s[3] for slices, _ in gathered for s in slices]
-    base = min(starts) if starts else 0
-    events: List[Dict[str, Any]] = []
-    for rank, (slices, threads) in enumerate(gathered):
-        events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0,
-                       "args": {"name": f"rank {rank}"}})
-        events.append({"name": "process_sort_index", "ph": "M", "pid": rank, "tid": 0,
-                       "args": {"sort_index": rank}})
-        for index, name in sorted(threads.items()):
-            events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": index,
-                           "args": {"name": "training" if index == 0 else name}})
-        for thread, name, category, start, duration, step, _ in sorted(
-                slices, key=lambda s: (s[0], s[3], -s[4])):
-            events.append({"name": name, "cat": category, "ph": "X", "pid": rank,
-                           "tid": thread, "ts": (start - base) / 1000.0,
-                           "dur": duration / 1000.0, "args": {"step": step}})
-    return events
+def dump_own(reason: str) -> Optional[str]:
+    """Write this rank's slices alone, now, to ``<timeline file>.rank<N>.json``: what a job that
+    ends without ``mgpu.shutdown()`` (a crash, a stall) leaves (not collective, never raises).
+
+    The phase each thread is in is closed at this moment (``args.open``: it had not ended), so
+    the trace shows where the rank was. Times are on rank 0's clock, as in the job's trace.
+
+    Args:
+        reason: why (``"uncaught exception"``, ``"stall"``), kept in the file's ``otherData``.
+
+    Returns:
+        The path written, or None: no timeline file was asked for, or it could not be written
+        (said on stderr).
+
+    Example:
+        >>> timeline.dump_own("stall")  # doctest: +SKIP
+        '/scratch/job-42/timeline.json.rank1.json'
+    """
+    recorder, path, state = _recorder, _path, _state
+    if recorder is None or path is None or state is None:
+        return None
+    try:
+        now, shift = time.monotonic_ns(), _own_offset()
+        slices = since(0) + [
+            (thread, name, category, start + shift, now - start, step, trace_files.OPEN)
+            for thread, (name, category, start, step) in list(recorder.open.items())]
+        threads = dict(recorder.threads.values())
+        events = trace_files.trace_events([(slices, threads)], first_rank=state.rank, base=0)
+        target = f"{path}.rank{state.rank}.json"
+        trace_files.write_document(target, {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {
+            "producer": "mgpu-launch", "rank": state.rank, "reason": reason}})
+        print(f"mgpu: rank {state.rank}: timeline so far written to {target} ({reason})",
+              file=sys.stderr, flush=True)
+        return target
+    except Exception as error:  # a dump must never hide the failure it accompanies
+        print(f"mgpu: rank {getattr(state, 'rank', '?')}: timeline not dumped: "
+              f"{type(error).__name__}: {error}", file=sys.stderr, flush=True)
+        return None
 
 
 def write(path: str, state) -> Optional[str]:
@@ -301,16 +322,8 @@ def write(path: str, state) -> Optional[str]:
     gathered = state.comm.gather(own, root=0) if state.comm is not None else [own]
     if state.rank != 0:
         return None
-    document = {"traceEvents": trace_events(gathered), "displayTimeUnit": "ms",
-                "otherData": {"producer": "mgpu-launch", "ranks": len(gathered),
-                              "clock offsets to rank 0 (ns)": _offsets or [0]}}
-    folder = os.path.dirname(path)
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    temporary = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
-    folders.create_new(temporary, json.dumps(document).encode(), mode=0o644)
-    try:
-        os.replace(temporary, path)  # replaces a link at `path`, never writes through it
-    except OSError:
-        os.unlink(temporary)
-        raise
+    trace_files.write_document(path, {
+        "traceEvents": trace_files.trace_events(gathered), "displayTimeUnit": "ms",
+        "otherData": {"producer": "mgpu-launch", "ranks": len(gathered),
+                      "clock offsets to rank 0 (ns)": _offsets or [0]}})
     return path

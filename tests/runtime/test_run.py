@@ -1,6 +1,7 @@
 """mgpu_launch.run: a Python function on N processes through the launcher, results back."""
 
 import glob
+import json
 import os
 import pickle
 import signal
@@ -12,6 +13,7 @@ import time
 
 import pytest
 
+import timelinekit
 from conftest import (SCRIPTS, gone_after_kill, job_env, processes_mentioning,
                       requires_mpirun, wait_for_ranks)
 
@@ -29,6 +31,14 @@ def ranks_find_the_test_functions(monkeypatch):
     for name, value in job_env(PYTHONPATH=SCRIPTS + os.pathsep +
                                job_env()["PYTHONPATH"]).items():
         monkeypatch.setenv(name, value)
+
+
+def test_a_timeline_is_one_track_per_rank_with_the_host_collectives(tmp_path):
+    target = tmp_path / "run.json"
+    assert mgpu_launch.run(run_fns.broadcast_rank_0s, np=2, timeline=str(target)) == {"rank": 0}
+    tracks = timelinekit.check_trace(json.loads(target.read_text()))
+    for rank in (0, 1):
+        assert "host broadcast_object" in [e["name"] for e in tracks[(rank, 0)]], tracks
 
 
 def test_returns_rank_zeros_result_or_every_ranks():

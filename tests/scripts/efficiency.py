@@ -4,7 +4,9 @@
 
 MODE ``input``: every batch takes SLEEP seconds to read (a PyDataset sleeping in
 ``__getitem__``). MODE ``rank``: rank 1 alone sleeps SLEEP seconds in a callback before each
-step. MODE ``plain``: neither. Rank 0 prints the report (verbose=2).
+step. MODE ``plain``: neither. MODE ``crash``: rank 1 raises in a callback before step
+FAULT_STEP. MODE ``stall``: rank 1 sleeps 120 s there (the stall inspector ends the job).
+Rank 0 prints the report (verbose=2).
 """
 
 import sys
@@ -17,7 +19,7 @@ import mgpu_launch as mgpu
 mgpu.init()
 import keras  # noqa: E402
 
-MODE, SLEEP, BATCHES, BATCH = sys.argv[1], 0.04, 24, 16
+MODE, SLEEP, BATCHES, BATCH, FAULT_STEP = sys.argv[1], 0.04, 24, 16, 10
 
 
 class Batches(keras.utils.PyDataset):
@@ -41,6 +43,11 @@ class SlowRank(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         if MODE == "rank" and mgpu.rank() == 1:
             time.sleep(SLEEP)
+        if batch == FAULT_STEP and mgpu.rank() == 1:
+            if MODE == "crash":
+                raise RuntimeError(f"rank 1 fails on purpose before step {batch}")
+            if MODE == "stall":
+                time.sleep(120)
 
 
 keras.utils.set_random_seed(1)

@@ -26,3 +26,10 @@ def hang(pid_prefix):
     with open(f"{pid_prefix}.{os.environ['MGPU_RANK']}", "w") as f:
         f.write(str(os.getpid()))
     time.sleep(600)
+
+
+def broadcast_rank_0s():
+    """A host collective (recorded by the timeline): rank 0's {"rank": 0} on every rank."""
+    import mgpu_launch as mgpu
+    mgpu.init()
+    return mgpu.broadcast_object({"rank": mgpu.rank()}, root_rank=0)
