@@ -83,8 +83,8 @@ class KerasState(State):
 
     Raises:
         ValueError: an attribute's name is the state's own (``model``, ``backup_dir``, a
-            method, a name starting with ``_``); an attribute is not a JSON value (found at
-            the first commit).
+            method, a name starting with ``_``); an attribute is not a JSON value (at a
+            commit, before anything is written).
 
     Example:
         >>> state = hvd.elastic.KerasState(model, batch=0, epoch=0)

@@ -257,7 +257,8 @@ def test_tensorflow_state_restores_commits_and_loads_its_variables(tmp_path):
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     opt = keras.optimizers.SGD(0.1, momentum=0.9)
     opt.build(model.trainable_variables)
-    extra = tf.Variable(np.arange(4, dtype="float32").reshape(2, 2).astype(tf.bfloat16.as_numpy_dtype))
+    bfloat16 = tf.bfloat16.as_numpy_dtype  # ml_dtypes': numpy's file format does not know it
+    extra = tf.Variable(np.arange(4, dtype="float32").reshape(2, 2).astype(bfloat16))
     variables = model.variables + opt.variables + [extra]
     state = _tf_state(folder, variables, batch=0)
     created = [np.array(v.numpy()) for v in variables]
