@@ -1,5 +1,5 @@
 """Horovod's ``horovod.tensorflow.elastic`` names for custom TensorFlow loops, on mgpu-launch's
-restart-based elastic training (the same step backups as ``mgpu_launch.keras.elastic``).
+restart-based elastic training (every commit also on disk, as ``mgpu_launch.keras.elastic``'s).
 
     import mgpu_launch.tensorflow as hvd        # was: import horovod.tensorflow as hvd
 
