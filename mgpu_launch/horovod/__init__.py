@@ -12,8 +12,13 @@ glue below. docs/horovod-migration.md lists every difference. Its modules:
     tensorflow_api   the ``horovod.tensorflow`` names
     tensorflow_ops   in-graph TensorFlow collectives (inside a ``tf.function``)
     tensorflow_tape  DistributedGradientTape for custom TensorFlow loops
-    elastic          ``hvd.elastic``: KerasState, its callbacks and ``run``, over mgpu's
+    elastic_state    what every ``hvd.elastic`` state shares: declared attributes read back
+                     as data, reset callbacks, ``run``
+    elastic_store    the commit files of a state without a Keras model
+    object_state     ``ObjectState``: plain values, no model
+    elastic          ``hvd.elastic`` for Keras: KerasState and its callbacks, over mgpu's
                      restart-based elastic training
+    tensorflow_elastic  ``hvd.elastic`` for custom loops: TensorFlowKerasState, TensorFlowState
 
 Nothing below this layer imports it.
 """

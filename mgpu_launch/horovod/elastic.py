@@ -32,45 +32,36 @@ What differs from Horovod's in-memory rollback (docs/fault-tolerance.md, "The Ho
   does not shorten the epoch's ``steps`` as Horovod's does.
 - Extra attributes (``KerasState(model, epoch=0, best=0.5)``) must be JSON values.
 
+``ObjectState`` (plain values, no model; :mod:`mgpu_launch.horovod.object_state`) and ``run``
+(:mod:`mgpu_launch.horovod.elastic_state`) are exported here too.
+
 What comes back from the state folder is data (docs/security.md): rank 0 reads it only from a
 folder of its user's alone, and a restore sets only the attributes the state declares, each
 checked against its declared kind; nothing restored names a path mgpu acts on.
 """
 
 import copy
-import functools
-import math
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import keras
 import numpy as np
 
 from mgpu_launch import engines, keras_internals, runtime
+from mgpu_launch.horovod.elastic_state import State, run, size as _size
+from mgpu_launch.horovod.object_state import STATE_DIR_VARIABLE, ObjectState, state_dir
 from mgpu_launch.runtime import collectives
 from mgpu_launch.training import epoch_resume, patches, resize, stall_probes
 from mgpu_launch.training.callbacks.backup import BackupAndRestore
 from mgpu_launch.training.callbacks.io import _is_chief
 from mgpu_launch.training.callbacks.sync import model_state_variables
-from mgpu_launcher import settings
 
-__all__ = ["KerasState", "CommitStateCallback", "UpdateBatchStateCallback",
+__all__ = ["KerasState", "ObjectState", "CommitStateCallback", "UpdateBatchStateCallback",
            "UpdateEpochStateCallback", "run", "STATE_DIR_VARIABLE"]
 
-STATE_DIR_VARIABLE = "MGPU_ELASTIC_STATE_DIR"
-_DEFAULT_DIR = ".mgpu-elastic-state"
 _EXTRA = "elastic_state"  # the key of KerasState's attributes in the backup's state
-# Names an attribute may not take: what KerasState itself holds or does.
-_RESERVED = frozenset({"model", "optimizer", "backup_dir", "params"})
-# JSON kinds an attribute's restored value must keep (int and float are both numbers).
-_KINDS = ((bool, "a boolean"), ((int, float), "a number"), (str, "a string"),
-          (list, "a list"), (dict, "a dict"))
 
 
-def _size() -> int:
-    return runtime.size() if runtime.is_initialized() else 1
-
-
-class KerasState:
+class KerasState(State):
     """The state Horovod's elastic Keras scripts commit: a model, its optimizer, attributes.
 
     Args:
@@ -92,35 +83,28 @@ class KerasState:
 
     Raises:
         ValueError: an attribute's name is the state's own (``model``, ``backup_dir``, a
-            method, a name starting with ``_``); an attribute is not a JSON value (found at
-            the first commit).
+            method, a name starting with ``_``); an attribute is not a JSON value (at a
+            commit, before anything is written).
 
     Example:
         >>> state = hvd.elastic.KerasState(model, batch=0, epoch=0)
     """
 
+    # What KerasState itself holds or does; epoch and batch are positions in the data.
+    RESERVED = frozenset({"model", "optimizer", "backup_dir", "params"})
+    WHOLE = ("epoch", "batch")
+
     def __init__(self, model, optimizer=None, backup_dir: Optional[str] = None, **kwargs):
-        taken = sorted(name for name in kwargs if name in _RESERVED or name.startswith("_")
-                       or hasattr(type(self), name))
-        if taken:
-            raise ValueError(f"KerasState: the attribute names {taken} are the state's own; "
-                             f"give your attributes other names (e.g. my_{taken[0]})")
+        self._declare(kwargs, defaults={"epoch": 0, "batch": 0})
         self.model = model
         self.optimizer = optimizer if optimizer is not None else model.optimizer
-        self.backup_dir = backup_dir or settings.text(STATE_DIR_VARIABLE) or _DEFAULT_DIR
+        self.backup_dir = state_dir(backup_dir)
         self._backup = BackupAndRestore(self.backup_dir, keep=2, delete_checkpoint=False,
                                         rescale_lr=False)
         self._backup.set_model(model)
-        self._names = sorted(set(kwargs) | {"epoch", "batch"})
-        self.epoch, self.batch = 0, 0
-        for name, value in kwargs.items():
-            setattr(self, name, value)
-        self._reset_callbacks, self._resume, self.params = [], None, None
+        self._resume, self.params = None, None
         self._build_optimizer()
         self._snapshot = self._take_snapshot()
-
-    def _values(self) -> dict:
-        return {name: getattr(self, name) for name in self._names}
 
     def _build_optimizer(self) -> None:
         if self.optimizer is not None and not self.optimizer.built and self.model.built:
@@ -145,15 +129,10 @@ class KerasState:
         self._commit(may_stop=True)
 
     def _commit(self, may_stop: bool) -> None:
+        values = self._json_values()  # before anything changes: a bad value commits nothing
         self._snapshot = self._take_snapshot()
         self._backup.params = self.params  # steps per epoch, for a resume at another size
-        try:
-            self._backup._save((int(self.epoch), int(self.batch)),
-                               extra={_EXTRA: self._values()})
-        except TypeError as error:
-            raise ValueError(f"KerasState.commit: the attributes {self._values()!r} must be "
-                             f"JSON values ({error}); keep numbers, strings, lists and dicts "
-                             f"in the state") from error
+        self._backup._save((int(self.epoch), int(self.batch)), extra={_EXTRA: values})
         # A custom loop has no fit to tell mgpu-train that training got going: a failure
         # after a commit resumes from it, so it is worth a restart.
         stall_probes.report_progress()
@@ -188,110 +167,29 @@ class KerasState:
         variables, values = self._snapshot
         for variable, value in variables:
             variable.assign(value)
-        for name, value in copy.deepcopy(values).items():
-            setattr(self, name, value)
+        self._set_values(values)
 
-    def _load_commit(self) -> bool:
+    def _load_commit(self) -> Optional[int]:
         """Load the last commit from disk (rank 0 reads it, every rank receives it) and make
-        it the snapshot; False if there is none. Collective: call it on every rank."""
+        it the snapshot; the size of the job that wrote it, None if there is none.
+        Collective: call it on every rank."""
         self._build_optimizer()
         restored = self._backup._restore_everywhere({_EXTRA: self._checked})
         if restored is None:
-            return False
+            return None
         (epochs, batches), saved = restored
-        for name, value in saved.pop(_EXTRA, {}).items():
-            setattr(self, name, value)  # only declared names: _checked refused any other
+        self._set_values(saved.pop(_EXTRA, {}))  # only declared names: _checked refused others
         self.epoch, self.batch = epochs, batches
         self._resume = (epochs, batches, saved)
         self._snapshot = self._take_snapshot()
-        return True
+        return saved.get("size") or _size()
 
-    def _checked(self, restored: Any) -> dict:
-        """The attributes of a commit, checked as data: declared names, declared kinds.
-
-        Raises:
-            ValueError: an unknown name, a value of another kind, a negative or fractional
-                epoch or batch, a non-finite number (the commit is then refused).
-        """
-        if not isinstance(restored, dict):
-            raise ValueError(f"its attributes are a {type(restored).__name__}, not a dict")
-        unknown = sorted(set(restored) - set(self._names))
-        if unknown:
-            raise ValueError(f"it holds attributes this KerasState does not declare: {unknown} "
-                             f"(declared: {self._names})")
-        for name, value in restored.items():
-            declared = getattr(self, name)
-            _check_json(value, name)
-            if name in ("epoch", "batch") and (isinstance(value, bool) or
-                                               not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name}={value!r}, expected a whole number >= 0")
-            for kind, words in _KINDS:
-                if isinstance(declared, kind) and (not isinstance(value, kind) or (
-                        kind != bool and isinstance(value, bool))):
-                    raise ValueError(f"{name}={value!r}, expected {words} as declared "
-                                     f"({declared!r})")
-                if isinstance(declared, kind):
-                    break
-        return restored
-
-    def register_reset_callbacks(self, callbacks) -> None:
-        """Functions (no arguments) :func:`run` calls after restoring a commit that a job of
-        another size wrote, e.g. to set the learning rate for ``hvd.size()``."""
-        self._reset_callbacks.extend(callbacks)
+    def _delete_commits(self) -> None:
+        self._backup._delete_folder()
 
     def _take_resume(self):
         resume, self._resume = self._resume, None
         return resume
-
-
-def _check_json(value: Any, name: str, depth: int = 0) -> None:
-    """Raise ValueError unless `value` is plain JSON data with finite numbers."""
-    if depth > 32:
-        raise ValueError(f"{name} is nested more than 32 deep")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{name}={value!r}, expected a finite number")
-    if isinstance(value, list):
-        for item in value:
-            _check_json(item, name, depth + 1)
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_json(item, f"{name}[{key!r}]", depth + 1)
-    elif value is not None and not isinstance(value, (bool, int, float, str)):
-        raise ValueError(f"{name} holds a {type(value).__name__}, not JSON data")
-
-
-def run(func: Callable) -> Callable:
-    """Horovod's ``@hvd.elastic.run``: call ``func(state)`` from the last committed state.
-
-    Before the call every rank restores the state's last commit (if any), when a job of
-    another size wrote it runs the reset callbacks, and then, as Horovod's, calls
-    ``state.sync()``: every rank starts from rank 0's variables and attributes. When
-    `func` returns, rank 0 deletes the commits: the folder the state was built with, never
-    one a commit names. A failure is not retried here: the process exits and mgpu-train
-    starts the job again (``--max-restarts``, elastic options).
-
-    Raises:
-        PermissionError: the state folder is not rank 0's user's alone (every rank).
-        ValueError: the last commit fails a check (``epoch_resume.BadBackup``; every rank).
-
-    Example:
-        >>> @hvd.elastic.run
-        ... def train(state):
-        ...     state.model.fit(data, epochs=5 - state.epoch, callbacks=callbacks)
-    """
-    @functools.wraps(func)
-    def wrapper(state: KerasState, *args, **kwargs):
-        if state._load_commit() and (state._resume[2].get("size") or _size()) != _size():
-            for callback in state._reset_callbacks:
-                callback()
-        state.sync()
-        result = func(state, *args, **kwargs)
-        if _is_chief():
-            state._backup._delete_folder()
-        if runtime.is_multi_process():
-            collectives.barrier()  # no rank returns while the commits may still be there
-        return result
-    return wrapper
 
 
 class CommitStateCallback(keras.callbacks.Callback):

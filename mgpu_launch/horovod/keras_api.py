@@ -22,8 +22,9 @@ own runtime, optimizer and callbacks. Differences, all listed in docs/horovod-mi
   when called eagerly, on every backend, and return a tensor of the Keras backend; inside a
   ``tf.function`` (TensorFlow backend) they are TensorFlow's in-graph collectives
   (``mgpu_launch.tensorflow``).
-- ``elastic`` (``KerasState``, its callbacks, ``run``) is restart-based: a commit is a step
-  backup on disk (``mgpu_launch.elastic`` says what differs from Horovod's rollback).
+- ``elastic`` (``KerasState``, its callbacks, ``ObjectState``, ``run``) is restart-based: a
+  commit is also written to disk (``mgpu_launch.elastic`` says what differs from Horovod's
+  rollback).
 - ``start_timeline`` / ``stop_timeline`` record mgpu's timeline (every rank's step phases
   and host collectives, ``mgpu_launch.runtime.timeline``), not Horovod's per-tensor one.
 - Not provided: Adasum, process sets other than the global one, explicit gradient groups.

@@ -26,8 +26,8 @@ Differences from Horovod (all in docs/horovod-migration.md): ``DistributedGradie
 wraps the tape instead of generating a subclass; ``reducescatter`` and ``alltoall`` are an
 allreduce / allgather followed by a slice (correct, more traffic); process sets other than
 the global one, Adasum and TF1 session hooks are not provided. ``hvd.elastic``
-(``TensorFlowKerasState``, ``run``) is restart-based, over the step backups of
-``mgpu_launch.keras.elastic`` (``mgpu_launch.horovod.tensorflow_elastic``); ``start_timeline``
+(``TensorFlowKerasState``, ``TensorFlowState``, ``ObjectState``, ``run``) is restart-based: a
+commit is also written to disk (``mgpu_launch.horovod.tensorflow_elastic``); ``start_timeline``
 records mgpu's timeline of step phases and host collectives, not Horovod's per-tensor one.
 """
 

@@ -1,5 +1,5 @@
 """Horovod's ``horovod.tensorflow.elastic`` names for custom TensorFlow loops, on mgpu-launch's
-restart-based elastic training (the same step backups as ``mgpu_launch.keras.elastic``).
+restart-based elastic training (every commit also on disk, as ``mgpu_launch.keras.elastic``'s).
 
     import mgpu_launch.tensorflow as hvd        # was: import horovod.tensorflow as hvd
 
@@ -16,28 +16,28 @@ restart-based elastic training (the same step backups as ``mgpu_launch.keras.ela
     train(state)
 
 ``TensorFlowKerasState`` is ``mgpu_launch.keras.elastic.KerasState`` for a model that is not
-compiled: the optimizer passed is committed and restored with it. ``run`` is the Keras one: it
-loads the last commit from disk when the job starts (after a failure or a resize mgpu-train
-restarts every process), runs the reset callbacks when the commit was written by a job of
-another size, and then, as Horovod's, calls ``state.sync()`` so that every rank starts from rank
-0's variables and attributes. The differences from Horovod's in-memory rollback are
-``mgpu_launch.keras.elastic``'s (docs/fault-tolerance.md, "The Horovod names").
+compiled: the optimizer passed is committed and restored with it. ``TensorFlowState`` is the
+state of a list of variables (``tf.Variable`` or Keras variables) and attributes, and
+``ObjectState`` (``mgpu_launch.horovod.object_state``) that of attributes alone; their commits
+are files of their own (``mgpu_launch.horovod.elastic_store``), kept as the Keras ones are.
+``run`` is the Keras one: it loads the last commit when the job starts (after a failure or a
+resize mgpu-train restarts every process), runs the reset callbacks when the commit was
+written by a job of another size, and then, as Horovod's, calls ``state.sync()`` so that every
+rank starts from rank 0's variables and attributes. The differences from Horovod's in-memory
+rollback are ``mgpu_launch.keras.elastic``'s (docs/fault-tolerance.md, "The Horovod names").
 
-Not provided: ``TensorFlowState`` (TF1 sessions and raw variable lists) and Horovod's
-model-less ``ObjectState``: a commit here is a model backup; keep plain values as attributes of
-a ``TensorFlowKerasState``.
+``TensorFlowState(session=...)`` is refused: TF1 sessions do not exist with Keras 3.
 """
 
-from mgpu_launch.horovod import support
-from mgpu_launch.horovod.elastic import KerasState, run
+from typing import List, Optional
 
-__all__ = ["TensorFlowKerasState", "run"]
-__getattr__ = support.namespace_getattr("mgpu_launch.tensorflow.elastic", {
-    "TensorFlowState": "TF1 sessions and raw variable lists are not committed; use "
-                       "TensorFlowKerasState(model, optimizer, ...) for a Keras model",
-    "ObjectState": "a commit is a model backup here; keep plain values as attributes of a "
-                   "TensorFlowKerasState(model, optimizer, name=value, ...)",
-})
+import numpy as np
+
+from mgpu_launch import engines
+from mgpu_launch.horovod.elastic import KerasState, run
+from mgpu_launch.horovod.object_state import ObjectState
+
+__all__ = ["TensorFlowKerasState", "TensorFlowState", "ObjectState", "run"]
 
 
 class TensorFlowKerasState(KerasState):
@@ -68,3 +68,66 @@ class TensorFlowKerasState(KerasState):
         if getattr(model, "optimizer", None) is None:
             model.optimizer = optimizer  # what Keras saves with the weights
         super().__init__(model, optimizer=optimizer, backup_dir=backup_dir, **kwargs)
+
+
+class TensorFlowState(ObjectState):
+    """Horovod's ``TensorFlowState`` for a TF2 custom loop: a list of variables and attributes.
+
+    A commit saves the variables' values with the attributes (rank 0 writes them to disk, as
+    every state here does); :meth:`restore` assigns the snapshot back; :meth:`sync` gives every
+    rank rank 0's variables and attributes.
+
+    Args:
+        variables: the variables to track (``tf.Variable`` or Keras variables), e.g.
+            ``model.variables + optimizer.variables`` (build the optimizer first, so that its
+            slots exist: ``optimizer.build(model.trainable_variables)``).
+        session: must be None: TF1 sessions do not exist with Keras 3 (TF2 runs eagerly).
+        backup_dir, **kwargs: as for :class:`ObjectState` (the attributes, JSON values).
+
+    Raises:
+        ValueError: a `session` is passed, or no `variables` (Horovod's default is TF1's
+            global-variable collection, which TF2 does not keep); an attribute's name is the
+            state's own.
+        TypeError: an item of `variables` is not a variable (no ``assign`` / ``numpy``).
+
+    Example:
+        >>> optimizer.build(model.trainable_variables)
+        >>> state = hvd.elastic.TensorFlowState(model.variables + optimizer.variables,
+        ...                                     batch=0, epoch=0)
+    """
+
+    RESERVED = frozenset({"backup_dir", "variables", "session"})
+
+    def __init__(self, variables=None, session=None, backup_dir: Optional[str] = None,
+                 **kwargs):
+        if session is not None:
+            raise ValueError(
+                f"TensorFlowState: session={session!r} is a TF1 session; with Keras 3 "
+                f"TensorFlow runs eagerly (TF2) and there are no sessions to read variables "
+                f"through. Leave session out and pass the variables: "
+                f"TensorFlowState(model.variables + optimizer.variables, batch=0)")
+        if variables is None:
+            raise ValueError(
+                "TensorFlowState: variables=None tracks TF1's global-variable collection in "
+                "Horovod, which TF2 does not keep (it would track nothing). Pass the list: "
+                "TensorFlowState(model.variables + optimizer.variables, batch=0)")
+        variables = list(variables)
+        for index, variable in enumerate(variables):
+            if not (callable(getattr(variable, "assign", None))
+                    and callable(getattr(variable, "numpy", None))):
+                raise TypeError(f"TensorFlowState: variables[{index}] is a "
+                                f"{type(variable).__name__}, not a variable (it needs assign() "
+                                f"and numpy()); pass tf.Variable or Keras variables")
+        self.variables = variables
+        self.session = None
+        super().__init__(backup_dir=backup_dir, **kwargs)
+
+    def _arrays(self) -> List[np.ndarray]:
+        return [np.asarray(variable.numpy()) for variable in self.variables]
+
+    def _assign(self, arrays: List[np.ndarray]) -> None:
+        for variable, value in zip(self.variables, arrays, strict=True):
+            variable.assign(value)
+
+    def _broadcast_variables(self) -> None:
+        engines.get_engine().broadcast_variables(self.variables, 0)

@@ -1,0 +1,223 @@
+"""The commits of a model-less elastic state (``ObjectState``, ``TensorFlowState``) on disk.
+
+``KerasState`` commits through ``callbacks.BackupAndRestore``'s model backups; a state without
+a Keras model has no model to save, so its commits are files of their own, kept the same way:
+
+- rank 0 alone writes them, in a folder that must be its user's alone
+  (:func:`mgpu_launch.runtime.folders.private_folder`, checked at every write and read);
+- each commit is one ``commit-<n>.npz``: the variables' values (``v0``, ``v1``, ...) and one
+  JSON text (``mgpu_state``: the writer's size and the state's attributes), built in memory,
+  written to a hidden partial file created with ``O_EXCL | O_NOFOLLOW`` (mode 0600) and
+  renamed into place, so a kill at any moment leaves the last complete commit; the newest 2
+  are kept;
+- reading one back is data only: numpy's loader with pickles refused, the JSON through
+  :func:`mgpu_launch.training.epoch_resume.checked_state`, the attributes through the state's
+  own check, every array of its variable's shape and dtype. A commit that fails a check is
+  refused on every rank (``BadBackup``), not skipped: in a private folder it means a tampered
+  file. A file that cannot be read at all is skipped, with a warning, for the older one.
+
+This module imports no deep-learning framework.
+"""
+
+import io
+import json
+import os
+import re
+import shutil
+import stat
+import warnings
+import zipfile
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from mgpu_launch import runtime
+from mgpu_launch.horovod.elastic_state import is_chief, size
+from mgpu_launch.runtime import collectives, folders
+from mgpu_launch.training.epoch_resume import BadBackup, checked_state
+
+__all__ = ["CommitStore"]
+
+_COMMIT = re.compile(r"^commit-(\d{1,12})\.npz$")
+_PARTIAL = re.compile(r"^\.commit-\d{1,12}\.partial-\d+\.npz$")  # a writer killed mid-write
+_STATE = "mgpu_state"  # the npz entry holding the JSON text
+_ATTRIBUTES = "elastic_state"  # the key of the attributes in that text (as KerasState's)
+_KEEP = 2  # an older commit to fall back on when the newest cannot be read
+
+Loaded = Tuple[int, dict, Optional[List[np.ndarray]]]
+
+
+class CommitStore:
+    """Rank 0's commit files for one state.
+
+    Args:
+        folder: the state's ``backup_dir``.
+        owner: the state's class name, for messages.
+    """
+
+    def __init__(self, folder: str, owner: str):
+        self.folder, self.owner = folder, owner
+
+    def _private(self, create: bool = True) -> str:
+        return folders.private_folder(self.folder, "backup_dir", create=create)
+
+    @staticmethod
+    def _commits(folder: str) -> List[Tuple[int, str]]:
+        """(number, path) of every complete commit (plain files only), newest first."""
+        found = []
+        for name in os.listdir(folder):
+            path = os.path.join(folder, name)
+            if (match := _COMMIT.match(name)) and stat.S_ISREG(os.lstat(path).st_mode):
+                found.append((int(match.group(1)), path))
+        return sorted(found, reverse=True)
+
+    def save(self, attributes: dict, arrays: Sequence[np.ndarray]) -> None:
+        """Write a commit (rank 0; the other ranks return at once).
+
+        Args:
+            attributes: the state's attributes, already checked to be JSON data.
+            arrays: the variables' values, in the state's order.
+
+        Raises:
+            folders.UnsafeFolder: the folder is not this user's alone (nothing is written).
+            OSError: the commit cannot be written.
+        """
+        if not is_chief():
+            return
+        folder = self._private()  # checked at every write: nothing is written through others'
+        commits = self._commits(folder)
+        number = commits[0][0] + 1 if commits else 1
+        text = json.dumps({"size": size(), _ATTRIBUTES: attributes}, allow_nan=False)
+        buffer = io.BytesIO()
+        np.savez(buffer, **{_STATE: np.array(text)},
+                 **{f"v{index}": _stored(array) for index, array in enumerate(arrays)})
+        path = os.path.join(folder, f"commit-{number}.npz")
+        partial = os.path.join(folder, f".commit-{number}.partial-{os.getpid()}.npz")
+        if os.path.lexists(partial):
+            os.remove(partial)  # an earlier process's with our pid: a link is removed, not followed
+        folders.create_new(partial, buffer.getvalue(), mode=0o600)
+        try:
+            os.replace(partial, path)
+        finally:
+            if os.path.lexists(partial):
+                os.remove(partial)
+        for _, old in self._commits(folder)[_KEEP:]:
+            os.remove(old)
+
+    def load_everywhere(self, check_attributes: Callable[[dict], dict],
+                        like: Sequence[np.ndarray]) -> Optional[Loaded]:
+        """Collective: the newest commit, read by rank 0 and checked; None when there is none.
+
+        Args:
+            check_attributes: the state's check of the attributes (raises ValueError).
+            like: the variables' current values: each array read must have one's shape and
+                dtype.
+
+        Returns:
+            ``(size of the job that wrote it, attributes, arrays)`` on every rank; the arrays
+            on rank 0 only (None elsewhere: the state's ``sync()`` sends rank 0's variables).
+
+        Raises:
+            PermissionError: the folder is not rank 0's user's alone (every rank).
+            BadBackup: the newest readable commit fails a check (every rank).
+        """
+        outcome, arrays = None, None
+        if is_chief():
+            try:
+                found = self._load_on_chief(check_attributes, like)
+                if found is not None:
+                    written_by, attributes, arrays = found
+                    found = (written_by, attributes)
+                outcome = ("loaded", found)
+            except folders.UnsafeFolder as error:
+                outcome = ("unsafe", str(error))
+            except BadBackup as error:
+                outcome = ("bad", str(error))
+        if runtime.is_multi_process():
+            outcome = collectives.broadcast_object(outcome)
+        kind, detail = outcome
+        if kind == "unsafe":
+            raise PermissionError(f"{self.owner}: rank 0 refuses to read or write commits "
+                                  f"there: {detail}")
+        if kind == "bad":
+            raise BadBackup(
+                f"{self.owner}: refused the commit {detail}. Nothing of it was used. Delete "
+                f"that file to resume from the older commit (or the folder to start afresh). "
+                f"mgpu never writes a commit that fails this check: look for what else writes "
+                f"there")
+        if detail is None:
+            return None
+        return detail[0], detail[1], arrays
+
+    def _load_on_chief(self, check_attributes, like) -> Optional[Loaded]:
+        try:
+            folder = self._private(create=False)
+        except FileNotFoundError:
+            return None
+        for name in os.listdir(folder):
+            if _PARTIAL.match(name):
+                os.remove(os.path.join(folder, name))  # a link is removed, never followed
+        for _, path in self._commits(folder):
+            try:
+                entries = _read(path)
+            except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
+                warnings.warn(f"{self.owner}: cannot read {path} ({error}); trying an older "
+                              f"commit", stacklevel=3)
+                continue
+            try:
+                return _checked(entries, check_attributes, like)
+            except ValueError as error:
+                raise BadBackup(f"{path}: {error}") from None
+        return None
+
+    def delete(self) -> None:
+        """Remove the folder (rank 0), unless another user could have redirected it."""
+        try:
+            folder = self._private(create=False)
+        except FileNotFoundError:
+            return
+        except folders.UnsafeFolder as error:
+            warnings.warn(f"{self.owner}: not deleting the commits: {error}", stacklevel=2)
+            return
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _stored(array) -> np.ndarray:
+    """`array` as numpy's file format keeps it: a dtype numpy does not define itself
+    (ml_dtypes' bfloat16) goes as unsigned integers of its width, read back as that dtype."""
+    array = np.asarray(array)
+    return array if array.dtype.isbuiltin == 1 else array.view(f"u{array.dtype.itemsize}")
+
+
+def _read(path: str) -> dict:
+    """Every entry of a commit file, as arrays (numpy's loader, pickles refused)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f, np.load(f, allow_pickle=False) as store:
+        return {name: store[name] for name in store.files}
+
+
+def _checked(entries: dict, check_attributes, like) -> Loaded:
+    """A commit's entries read as data: its state, its attributes, its arrays.
+
+    Raises:
+        ValueError: an entry that is not there or should not be, a state that is not what
+            :meth:`CommitStore.save` writes, an array of another shape or dtype.
+    """
+    expected = {_STATE} | {f"v{index}" for index in range(len(like))}
+    if set(entries) != expected:
+        raise ValueError(f"it holds the entries {sorted(entries)}, expected {sorted(expected)} "
+                         f"(the state's {len(like)} variables and its state)")
+    text = entries[_STATE]
+    if text.shape != () or text.dtype.kind != "U":
+        raise ValueError(f"its {_STATE} entry is a {text.dtype} array of shape {text.shape}, "
+                         f"not one text")
+    state = checked_state(str(text), (_ATTRIBUTES,))
+    attributes = check_attributes(state.get(_ATTRIBUTES, {}))
+    arrays = []
+    for index, want in enumerate(like):
+        got, stored = entries[f"v{index}"], _stored(want)
+        if got.shape != want.shape or got.dtype != stored.dtype:
+            raise ValueError(f"v{index} is {got.dtype} of shape {got.shape}; variable {index} "
+                             f"of the state is {want.dtype} of shape {want.shape}")
+        arrays.append(got if stored.dtype == want.dtype else got.view(want.dtype))
+    return int(state.get("size") or size()), attributes, arrays
