@@ -11,9 +11,10 @@ from its ``callbacks.BackupAndRestore`` backup), with Horovod's knobs and discov
 2. Start the job on them (``-H``, host by host, up to ``--max-np`` processes) with
    ``MGPU_ELASTIC=1`` in every rank, and poll discovery every ``MGPU_DISCOVERY_INTERVAL``
    seconds while it runs.
-3. When discovery offers more slots (up to ``--max-np``), or a host of the job leaves the list,
-   send mpirun SIGUSR1 (forwarded to every rank): at its next backup point the job writes a
-   backup and every rank exits (mgpu_launch.training.resize); go to 1.
+3. When discovery offers more slots (up to ``--max-np``), or a host of the job leaves the list
+   or offers fewer slots than the processes the job runs there (Horovod: a removal of those
+   slots), send mpirun SIGUSR1 (forwarded to every rank): at its next backup point the job
+   writes a backup and every rank exits (mgpu_launch.training.resize); go to 1.
 4. When a rank fails, the job is torn down (mgpu_launcher.supervisor); the host of the rank
    that failed first is blacklisted for ``--blacklist-cooldown`` seconds (doubling with each
    further failure); go to 1, at most ``--max-restarts`` times (default 10 here). A failure
@@ -143,7 +144,8 @@ class Watcher:
                  np: int, note: _Noted):
         self.options, self.blacklist, self.note = options, blacklist, note
         self.hosts_arg, self.np = hosts_arg, np
-        self.current = {entry.rsplit(":", 1)[0] for entry in hosts_arg.split(",")}
+        self.current = {host: int(count) for host, count in
+                        (entry.rsplit(":", 1) for entry in hosts_arg.split(","))}
         self.done = threading.Event()
         self.why: Optional[str] = None  # set when the job was asked to stop
 
@@ -177,12 +179,19 @@ class Watcher:
             return None
         for problem in hosts.problems:
             self.note(problem)
-        gone = sorted(self.current - set(hosts.names()))
+        offered = dict(hosts.slots)
+        gone = sorted(set(self.current) - set(offered))
+        # Horovod's rule: fewer slots on a host of the job removes the slots it lost.
+        fewer = [f"{host} offers {offered[host]} slots, the job runs {count} processes there"
+                 for host, count in self.current.items()
+                 if host in offered and offered[host] < count]
         usable = hosts.without(self.blacklist.blocked())
         np, _ = discovery.place(usable, self.options.max_np)
         if gone:
             return (f"{', '.join(gone)} left the discovered hosts; restart with {np} "
                     f"processes")
+        if fewer:
+            return f"{'; '.join(fewer)}; restart with {np} processes (now {self.np})"
         if np > self.np:
             came = [f"{h} ({n} slots)" for h, n in usable.slots if h not in self.current]
             what = f"{', '.join(came)} came" if came else "more slots were discovered"

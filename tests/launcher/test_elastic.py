@@ -75,7 +75,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
-from conftest import ROOT, job_env  # noqa: E402
+from conftest import ROOT, job_env, processes_mentioning  # noqa: E402
 from mgpu_launcher import cli, discovery  # noqa: E402
 
 
@@ -212,7 +212,7 @@ def test_a_blacklisted_host_cools_down_longer_after_each_failure():
     assert discovery.host_of_rank("node1:2,node2:1", 2) == "node2"
 
 
-def _elastic(tmp_path, hosts_file, *argv, samples=64):
+def _elastic(tmp_path, hosts_file, *argv, samples=64, **env):
     script = elastickit.executable(tmp_path / "discover.sh", f"cat {hosts_file}")
     out = tmp_path / "out"
     out.mkdir()
@@ -220,9 +220,15 @@ def _elastic(tmp_path, hosts_file, *argv, samples=64):
         [sys.executable, "-m", "mgpu_launcher", *argv, "--host-discovery-script", script,
          RESIZE, str(tmp_path / "backup"), str(out)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=job_env(MGPU_DISCOVERY_INTERVAL="0.5", RESIZE_STEP_SECONDS="0.5",
-                    RESIZE_SAMPLES=str(samples), **ENV))
+        env=job_env(**{"MGPU_DISCOVERY_INTERVAL": "0.5", "RESIZE_STEP_SECONDS": "0.5",
+                       "RESIZE_SAMPLES": str(samples), **ENV, **env}))
     return proc, out
+
+
+def _nothing_left(out):
+    """Fail when a process of the job (its command line names `out`) is still alive."""
+    left = processes_mentioning(str(out))
+    assert not left, f"processes of the job still alive: {left}"
 
 
 # Two "hosts" that are both this machine: Open MPI places ranks 0-1 on localhost and 2-3 on
@@ -297,3 +303,51 @@ def test_fewer_slots_than_min_np_stop_the_job_cleanly(tmp_path):
     for rank in (0, 1):
         pid = elastickit.pid_of(out, 0, rank)
         assert not os.path.exists(f"/proc/{pid}"), f"rank {rank} (pid {pid}) is still alive"
+
+
+# Issue 39: fewer slots on a host of the job is a removal of those slots (Horovod's rule).
+@requires_mpirun
+@pytest.mark.job
+@pytest.mark.slow
+def test_a_host_offering_fewer_slots_scales_the_job_down(tmp_path):
+    pytest.importorskip("tensorflow")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    proc, out = _elastic(tmp_path, hosts, "-np", "2", "--min-np", "1", "--max-np", "2",
+                         RESIZE_EPOCHS="2")
+    with elastickit.reaped(proc):
+        elastickit.wait_for_steps(out, 0, 4, proc)
+        hosts.write_text("localhost:1\n")
+        stdout, stderr = elastickit.finish(proc, timeout=240)
+    assert proc.returncode == 0, f"{stdout}\n{stderr}"
+    assert elastickit.sizes(out) == [2, 1], stderr
+    assert ("mgpu-train: elastic: localhost offers 1 slots, the job runs 2 processes there; "
+            "restart with 1 processes (now 2): asking the job to stop at its next backup "
+            "point") in stderr, stderr
+    assert ("mgpu-train: elastic: restarting with 1 processes on localhost:1 (was 2 on "
+            "localhost:2): the job stopped at its backup after ") in stderr, stderr
+    for epoch in range(2):  # the cut epoch too: each sample once (2 x 4 a step, then 1 x 4)
+        _once_each(elastickit.used_samples(out, epoch), dropped_below=8)
+    _nothing_left(out)
+
+
+@requires_mpirun
+@pytest.mark.job
+@pytest.mark.slow
+def test_a_host_offering_fewer_slots_than_min_np_stops_the_job(tmp_path):
+    pytest.importorskip("tensorflow")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    proc, out = _elastic(tmp_path, hosts, "-np", "2", "--min-np", "2", "--elastic-timeout", "3")
+    with elastickit.reaped(proc):
+        elastickit.wait_for_steps(out, 0, 4, proc)
+        hosts.write_text("localhost:1\n")
+        stdout, stderr = elastickit.finish(proc, timeout=180)
+    assert proc.returncode == 1, f"{stdout}\n{stderr}"
+    assert ("mgpu-train: elastic: localhost offers 1 slots, the job runs 2 processes there; "
+            "restart with 1 processes (now 2)") in stderr, stderr
+    assert ("mgpu-train: elastic: stopping: 1 slots available (localhost:1), fewer than "
+            "--min-np 2, for 3 s (--elastic-timeout). No process of the job is left") in stderr
+    assert elastickit.sizes(out) == [2]
+    assert os.listdir(tmp_path / "backup"), "the job stopped at a backup point: one is there"
+    _nothing_left(out)
