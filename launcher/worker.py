@@ -26,6 +26,9 @@ PROGRESS_MARKER = "mgpu-train: first step done"
 #: Printed once (rank 0, stderr) when an elastic job stops at a backup point because mgpu-train
 #: asked it to (to restart with another size), followed by where it stopped.
 RESIZE_MARKER = "mgpu-train: stopped for a resize:"
+#: Printed (rank 0, stderr) at every backup point of an elastic job, followed by the point: the
+#: elastic loop tells a failure that repeats at the same point from one after progress.
+BACKUP_MARKER = "mgpu-train: backup point:"
 #: Set to "1" by mgpu-train's elastic mode in every rank.
 ELASTIC_VARIABLE = "MGPU_ELASTIC"
 #: What elastic mgpu-train sends mpirun (which forwards it to every rank) to ask for that stop.

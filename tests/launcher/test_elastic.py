@@ -351,3 +351,79 @@ def test_a_host_offering_fewer_slots_than_min_np_stops_the_job(tmp_path):
     assert elastickit.sizes(out) == [2]
     assert os.listdir(tmp_path / "backup"), "the job stopped at a backup point: one is there"
     _nothing_left(out)
+
+
+# Issue 39: an elastic job's own error is its root cause, and an error that comes back at the
+# same point is not restarted again and again. One process on one host (the size an elastic job
+# may shrink to; a rank of a 1-process job had no failure marker), no cool-down: every restart
+# may start at once.
+def _failing(tmp_path, raises):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:1\n")
+    proc, out = _elastic(tmp_path, hosts, "-np", "1", "--min-np", "1", "--max-restarts", "4",
+                         "--blacklist-cooldown", "0", RESIZE_STEP_SECONDS="0",
+                         RESIZE_RAISE=raises)
+    with elastickit.reaped(proc):
+        stdout, stderr = elastickit.finish(proc, timeout=400)
+    _nothing_left(out)
+    return proc.returncode, stderr, len(elastickit.attempts(out))
+
+
+@pytest.mark.parametrize("reasons, stop, attempts", [
+    (["ValueError: bad batch (exit code 1)"] * 9, True, 2),
+    (["ValueError: bad batch (exit code 1)"] * 9, False, 5),  # MGPU_STOP_REPEATED_FAILURE=0
+    (["killed by signal 9 (SIGKILL)"] * 9, True, 5),  # a lost host may come back
+    (["ValueError: a (exit code 1)", "ValueError: b (exit code 1)"] * 5, True, 5),
+])
+def test_only_the_same_error_twice_in_a_row_stops_the_restarts(tmp_path, reasons, stop,
+                                                                attempts):
+    # The loop alone, each attempt's outcome given (the job tests above run the real ones).
+    from mgpu_launcher import elastic, supervisor
+    options = elastic.Options(elastickit.executable(tmp_path / "d.sh", "echo localhost:1"),
+                              1, None, cooldown=0, stop_repeated=stop)
+    made = []
+
+    def start(np, hosts_arg, attempt, on_start):
+        made.append(attempt)
+        return supervisor.Outcome(1, progressed=True, cause=supervisor.Failure(0, reasons[attempt]))
+
+    assert elastic.run(options, start, max_restarts=4) == 1
+    assert len(made) == attempts
+
+
+ROOT_CAUSE = ("  root cause: rank 0 failed first: RuntimeError: the data source failed (exit "
+              "code 1)\n  last lines of rank 0's stderr:\n")
+
+
+@requires_mpirun
+@pytest.mark.job
+@pytest.mark.slow
+def test_an_error_that_repeats_at_the_same_point_stops_the_restarts(tmp_path):
+    pytest.importorskip("tensorflow")
+    # every attempt fails at batch 5 of epoch 1, after the backup of batch 3 it resumes from
+    status, stderr, attempts = _failing(tmp_path, "*:0:4")
+    assert status == 1, stderr
+    assert attempts == 2, stderr  # not the 5 that --max-restarts 4 allows
+    assert stderr.count(ROOT_CAUSE) == 2, stderr
+    assert "root cause: unknown" not in stderr, stderr
+    assert ("mgpu-train: elastic: stopping: restarts were stopped because the failure repeated "
+            "identically: the last two attempts both failed with the same error, RuntimeError: "
+            "the data source failed (exit code 1) (rank 0), after the same backup point (backup "
+            "after batch 3 of epoch 1); every further restart would fail the same way (1 of the "
+            "4 restarts allowed used).") in stderr, stderr
+
+
+@requires_mpirun
+@pytest.mark.job
+@pytest.mark.slow
+@pytest.mark.parametrize("raises, attempts", [
+    ("0:0:4", 2),  # once
+    ("0:0:4,1:1:4", 3),  # twice, the second time after more backups: progress, not a repeat
+])
+def test_a_transient_error_is_restarted_and_named(tmp_path, raises, attempts):
+    pytest.importorskip("tensorflow")
+    status, stderr, made = _failing(tmp_path, raises)
+    assert status == 0, stderr
+    assert made == attempts, stderr
+    assert stderr.count(ROOT_CAUSE) == attempts - 1, stderr
+    assert "restarts were stopped" not in stderr, stderr
