@@ -181,6 +181,9 @@ SETTINGS: Dict[str, Setting] = _declare(
       low=0, example="60"),
     _("MGPU_DISCOVERY_INTERVAL", "seconds", 2.0, LAUNCHER,
       "elastic: seconds between discovery runs (at least 0.2)", low=0, example="2"),
+    _("MGPU_STOP_REPEATED_FAILURE", "flag", True, LAUNCHER,
+      "elastic: stop restarting when an attempt fails as the one before it did (the same "
+      "error, the same last backup point); 0: use every restart", example="0"),
     # -- read in every rank -------------------------------------------------------------------
     _("MGPU_ENGINE", "choice", "keras", RANKS,
       "`none`: no engine, host collectives only, Keras never imported (also skips "

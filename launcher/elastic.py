@@ -11,14 +11,18 @@ from its ``callbacks.BackupAndRestore`` backup), with Horovod's knobs and discov
 2. Start the job on them (``-H``, host by host, up to ``--max-np`` processes) with
    ``MGPU_ELASTIC=1`` in every rank, and poll discovery every ``MGPU_DISCOVERY_INTERVAL``
    seconds while it runs.
-3. When discovery offers more slots (up to ``--max-np``), or a host of the job leaves the list,
-   send mpirun SIGUSR1 (forwarded to every rank): at its next backup point the job writes a
-   backup and every rank exits (mgpu_launch.training.resize); go to 1.
-4. When a rank fails, the job is torn down (mgpu_launcher.supervisor); the host of the rank
+3. When discovery offers more slots (up to ``--max-np``), or a host of the job leaves the list
+   or offers fewer slots than the processes the job runs there (Horovod: a removal of those
+   slots), send mpirun SIGUSR1 (forwarded to every rank): at its next backup point the job
+   writes a backup and every rank exits (mgpu_launch.training.resize); go to 1.
+4. When a rank fails, the job is torn down (mgpu_launcher.supervisor, which prints the root
+   cause: the failing rank's error and the last lines of its stderr); the host of the rank
    that failed first is blacklisted for ``--blacklist-cooldown`` seconds (doubling with each
    further failure); go to 1, at most ``--max-restarts`` times (default 10 here). A failure
    before the first training step that is not a killed process (a SyntaxError, a bad
-   argument) is not restarted.
+   argument) is not restarted; nor is one that repeats the attempt before it identically (the
+   same error from a rank, and the same last backup point: rank 0 reports each with
+   ``worker.BACKUP_MARKER``), unless ``MGPU_STOP_REPEATED_FAILURE=0``.
 5. The job ending with status 0 without such a stop ends mgpu-train with 0.
 """
 
@@ -29,7 +33,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable, Optional, Set
+from typing import Callable, Optional, Set, Tuple
 
 from mgpu_launcher import discovery, settings, supervisor
 from mgpu_launcher.worker import ELASTIC_VARIABLE, RESIZE_SIGNAL
@@ -52,6 +56,7 @@ class Options:
     timeout: float = DEFAULT_TIMEOUT_S
     cooldown: float = DEFAULT_COOLDOWN_S
     bare_slots: int = 1  # slots of a host printed without :SLOTS (--slots-per-host)
+    stop_repeated: bool = True  # MGPU_STOP_REPEATED_FAILURE: see run()
 
 
 def _number(value: str, source: str, convert, least, example: str):
@@ -112,7 +117,8 @@ def options_from(np: int, min_np: Optional[str], max_np: Optional[str], script: 
     seconds = {name: _number(given[name][1], given[name][0], float, 0, example)
                for name, example in (("timeout", "--elastic-timeout 600"),
                                      ("cooldown", "--blacklist-cooldown 60")) if name in given}
-    return Options(os.path.abspath(path), low, high, **seconds)
+    return Options(os.path.abspath(path), low, high, **seconds,
+                   stop_repeated=settings.flag("MGPU_STOP_REPEATED_FAILURE", environ))
 
 
 def discovery_interval() -> float:
@@ -143,7 +149,8 @@ class Watcher:
                  np: int, note: _Noted):
         self.options, self.blacklist, self.note = options, blacklist, note
         self.hosts_arg, self.np = hosts_arg, np
-        self.current = {entry.rsplit(":", 1)[0] for entry in hosts_arg.split(",")}
+        self.current = {host: int(count) for host, count in
+                        (entry.rsplit(":", 1) for entry in hosts_arg.split(","))}
         self.done = threading.Event()
         self.why: Optional[str] = None  # set when the job was asked to stop
 
@@ -177,12 +184,19 @@ class Watcher:
             return None
         for problem in hosts.problems:
             self.note(problem)
-        gone = sorted(self.current - set(hosts.names()))
+        offered = dict(hosts.slots)
+        gone = sorted(set(self.current) - set(offered))
+        # Horovod's rule: fewer slots on a host of the job removes the slots it lost.
+        fewer = [f"{host} offers {offered[host]} slots, the job runs {count} processes there"
+                 for host, count in self.current.items()
+                 if host in offered and offered[host] < count]
         usable = hosts.without(self.blacklist.blocked())
         np, _ = discovery.place(usable, self.options.max_np)
         if gone:
             return (f"{', '.join(gone)} left the discovered hosts; restart with {np} "
                     f"processes")
+        if fewer:
+            return f"{'; '.join(fewer)}; restart with {np} processes (now {self.np})"
         if np > self.np:
             came = [f"{h} ({n} slots)" for h, n in usable.slots if h not in self.current]
             what = f"{', '.join(came)} came" if came else "more slots were discovered"
@@ -227,12 +241,15 @@ def run(options: Options, start: Callable, max_restarts: int = DEFAULT_MAX_RESTA
         start: ``start(np, hosts_arg, attempt, on_start) -> supervisor.Outcome`` runs one
             attempt of the job on ``-H hosts_arg`` (mgpu_launcher.cli builds it).
         max_restarts: restarts after failures allowed (resizes asked by mgpu-train are not
-            counted; at most :data:`MAX_RESIZES` of them).
+            counted; at most :data:`MAX_RESIZES` of them). Two failed attempts in a row with
+            the same error and the same last backup point end the loop early (see
+            :func:`_repeated`), unless ``options.stop_repeated`` is off.
     """
     blacklist = discovery.Blacklist(options.cooldown)
     note = _Noted()
     failures = resizes = 0
     status, previous, why = 1, None, None
+    point = last = None  # the job's last backup point; (error, point) of a failure just before
     for attempt in range(max_restarts + MAX_RESIZES + 1):
         hosts = wait_for_slots(options, blacklist, note)
         if hosts is None:
@@ -250,12 +267,13 @@ def run(options: Options, start: Callable, max_restarts: int = DEFAULT_MAX_RESTA
         finally:
             watcher.stop()
         status, previous = outcome.status, (np, hosts_arg)
+        point = outcome.backup or point  # an attempt that wrote none resumed from the last
         if outcome.stopped_by is not None:
             return outcome.status
         if outcome.status == 0 and outcome.resized is None:
             return 0
         if outcome.status == 0:
-            resizes += 1
+            resizes, last = resizes + 1, None
             why = f"the job stopped at its {outcome.resized} ({watcher.why or 'asked'})"
             if resizes > MAX_RESIZES:
                 say(f"stopping: {resizes} resizes in this run is more than {MAX_RESIZES}")
@@ -267,11 +285,39 @@ def run(options: Options, start: Callable, max_restarts: int = DEFAULT_MAX_RESTA
                 f"({why}), so every restart would fail the same way. Fix the error above.")
             return status
         failures += 1
+        seen = _repeated(outcome, point)
+        if options.stop_repeated and seen is not None and seen == last:
+            where = (f"after the same backup point ({point})" if point else
+                     "with no backup point reported by the job (each attempt starts over)")
+            say(f"stopping: restarts were stopped because the failure repeated identically: "
+                f"the last two attempts both failed with the same error, {seen[0]} (rank "
+                f"{outcome.cause.rank}), {where}; every further restart would fail the same "
+                f"way ({failures - 1} of the {max_restarts} restarts allowed used). Fix the "
+                f"error in the failure summary above; MGPU_STOP_REPEATED_FAILURE=0 restarts "
+                f"anyway.")
+            return status
+        last = seen
         if failures > max_restarts:
             say(f"stopping: {why}, and the {max_restarts} restarts allowed are used "
                 f"(--max-restarts)")
             return status
     return status
+
+
+def _repeated(outcome, point: Optional[str]) -> Optional[Tuple[str, Optional[str]]]:
+    """What identifies a failure that would come back the same after a restart, or None.
+
+    Only an error the failing rank reported itself (an exception, an exit code: its
+    ``worker.FAILURE_MARKER``), with the job's last backup point (where a restart resumes;
+    None when the job reported none). Not a process killed by a signal or a stall: a host lost
+    or a process killed from outside says nothing about the next attempt.
+
+    Returns:
+        ``(error text, backup point)``, or None.
+    """
+    if outcome.cause is None or outcome.cause.stall or _killed(outcome):
+        return None
+    return outcome.cause.reason, point
 
 
 def _killed(outcome) -> bool:

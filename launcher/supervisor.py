@@ -30,7 +30,8 @@ from typing import Callable, Deque, Dict, Iterator, List, Optional, Sequence, Te
 
 from mgpu_launcher import merge, sessions
 from mgpu_launcher.mpirun import Flavour
-from mgpu_launcher.worker import FAILURE_MARKER, PROGRESS_MARKER, RESIZE_MARKER, STALL_MARKER
+from mgpu_launcher.worker import (BACKUP_MARKER, FAILURE_MARKER, PROGRESS_MARKER, RESIZE_MARKER,
+                                  STALL_MARKER)
 
 TAIL_LINES = 20
 # Start-up notices every framework prints, which say nothing about a failure: kept out of the
@@ -68,6 +69,7 @@ class Outcome:
     cause: Optional[Failure] = None  # the root cause of a failure, when known
     leftovers: Tuple[int, ...] = ()  # processes of the job still alive after the teardown
     resized: Optional[str] = None  # where an elastic job stopped to resize (RESIZE_MARKER)
+    backup: Optional[str] = None  # an elastic job's last backup point (BACKUP_MARKER), if any
 
 
 class OutputRelay:
@@ -88,6 +90,7 @@ class OutputRelay:
         self.first_failure: Optional[Failure] = None
         self.progressed = False
         self.resized: Optional[str] = None
+        self.backup: Optional[str] = None
         self.logs: Dict[int, TextIO] = {}
         self.lock = threading.Lock()
         if output_dir:
@@ -119,6 +122,9 @@ class OutputRelay:
                 if marked.startswith(RESIZE_MARKER):
                     self.resized = marked[len(RESIZE_MARKER):].strip()
                     return  # the elastic loop reports it
+                if marked.startswith(BACKUP_MARKER):
+                    self.backup = marked[len(BACKUP_MARKER):].strip()
+                    return  # for the elastic loop only
                 if not _START_UP_NOISE.match(marked):
                     self.tails[rank].append(marked)
                 if self.first_failure is None:
@@ -208,7 +214,7 @@ def _from_marker(text: str) -> str:
     Seen in CI (1 in 20 raised faults): the rank's MPI_Abort banner and the marker shared a
     pipe, and the marker line came through with an undecodable byte in front of it.
     """
-    for marker in (FAILURE_MARKER, STALL_MARKER, PROGRESS_MARKER, RESIZE_MARKER):
+    for marker in (FAILURE_MARKER, STALL_MARKER, PROGRESS_MARKER, RESIZE_MARKER, BACKUP_MARKER):
         at = text.find(marker)
         if at > 0:
             return text[at:]
@@ -377,7 +383,7 @@ def supervise(command: Sequence[str], flavour: Flavour, *, all_ranks: bool = Fal
     finally:
         leftovers = job.teardown()
     outcome = Outcome(status, progressed=relay.progressed, cause=relay.root_cause(),
-                      leftovers=leftovers, resized=relay.resized)
+                      leftovers=leftovers, resized=relay.resized, backup=relay.backup)
     if job.stopped_by is not None:
         outcome.status, outcome.stopped_by = 128 + job.stopped_by, job.stopped_by
     elif status != 0:

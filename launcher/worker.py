@@ -2,9 +2,10 @@
 
 A worker: reads its placement from the launcher's variables, pins its GPU, exports the MGPU_*
 variables, runs the script / module / code with ``__name__ == "__main__"``, and returns
-python's exit status. If the program fails on a rank of a multi-process job, the worker prints
-the traceback, a one-line failure marker for the supervising ``mgpu-train``, and aborts the MPI
-job so that no other rank stays blocked in a collective.
+python's exit status. If the program fails on a rank that a launcher started, the worker prints
+the traceback and a one-line failure marker for the supervising ``mgpu-train`` (its root cause,
+also for a job of one process); in a multi-process job it then aborts the MPI job so that no
+other rank stays blocked in a collective.
 """
 
 import os
@@ -25,6 +26,9 @@ PROGRESS_MARKER = "mgpu-train: first step done"
 #: Printed once (rank 0, stderr) when an elastic job stops at a backup point because mgpu-train
 #: asked it to (to restart with another size), followed by where it stopped.
 RESIZE_MARKER = "mgpu-train: stopped for a resize:"
+#: Printed (rank 0, stderr) at every backup point of an elastic job, followed by the point: the
+#: elastic loop tells a failure that repeats at the same point from one after progress.
+BACKUP_MARKER = "mgpu-train: backup point:"
 #: Set to "1" by mgpu-train's elastic mode in every rank.
 ELASTIC_VARIABLE = "MGPU_ELASTIC"
 #: What elastic mgpu-train sends mpirun (which forwards it to every rank) to ask for that stop.
@@ -145,4 +149,8 @@ def run(kind: str, target: str, args: Sequence[str], pin: bool = True,
         reason = describe_exception(error, status)
     if status != 0 and placement.size > 1:
         abort_job(status, reason)
+    if status != 0 and placement.source != environments.SINGLE_PROCESS.source:
+        # A job of one process (an elastic job scaled down to one) has no other rank to stop,
+        # but mgpu-train still reads its root cause from this line.
+        print(f"{FAILURE_MARKER} {reason}", file=sys.stderr, flush=True)
     return status

@@ -9,6 +9,10 @@ The ranks receive it at different moments, so at each backup point of
 rank leaves ``fit`` there — rank 0 first prints ``mgpu_launcher.worker.RESIZE_MARKER`` with the
 position — and exits with status 0. mgpu-train then starts the job again with the new size,
 and BackupAndRestore resumes it from that backup.
+
+At every backup point of an elastic job rank 0 also prints ``mgpu_launcher.worker.BACKUP_MARKER``
+with the position (mgpu-train keeps it from the console): when two attempts in a row fail with
+the same error at the same point, mgpu-train stops restarting (mgpu_launcher.elastic).
 """
 
 import sys
@@ -27,7 +31,7 @@ def stop_here_if_asked(where: str) -> None:
     """At a backup point: end every rank's program together if mgpu-train asked any rank to.
 
     Call it on every rank at the same point (a collective runs). Outside an elastic job it
-    does nothing and costs nothing.
+    does nothing and costs nothing; in one, rank 0 first reports the point to mgpu-train.
 
     Args:
         where: the backup point, in words (rank 0 prints it for mgpu-train).
@@ -37,6 +41,8 @@ def stop_here_if_asked(where: str) -> None:
     """
     if not elastic():
         return
+    if runtime.state.rank == 0:  # mgpu-train tells a failure repeated here from a later one
+        print(f"{worker.BACKUP_MARKER} {where}", file=sys.stderr, flush=True)
     asked = worker.resize_requested()
     if runtime.is_multi_process():
         asked = any(collectives.allgather_object(asked))

@@ -10,7 +10,9 @@ when training ends.
 
 With KILL_EPOCH KILL_BATCH (0-based), the last rank SIGKILLs itself at the end of that batch, in
 the first attempt only (MGPU_RESTART_COUNT 0 or unset). With RESIZE_STEP_SECONDS, every step
-sleeps that long (an elastic test's job lasts while hosts come and go).
+sleeps that long (an elastic test's job lasts while hosts come and go). With RESIZE_RAISE, a
+comma-separated list of ATTEMPT:EPOCH:BATCH (ATTEMPT * for every attempt), the last rank raises
+RuntimeError("the data source failed") at the end of that batch of that attempt.
 
 Each rank writes OUT_DIR/attempt.A.rank.R.json as it trains: the size, its host name, the backup
 it resumed from (file names in BACKUP_DIR when training began), for every trained step its
@@ -42,6 +44,9 @@ backup_dir, out = sys.argv[1], sys.argv[2]
 attempt = os.environ.get("RESIZE_ATTEMPT") or os.environ.get("MGPU_RESTART_COUNT", "0")
 kill = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 4 and attempt == "0" else None
 pause = float(os.environ.get("RESIZE_STEP_SECONDS", "0"))
+raises = {(int(e), int(b)) for a, e, b in (item.split(":") for item in
+                                          os.environ.get("RESIZE_RAISE", "").split(",") if item)
+          if a in ("*", attempt)}
 samples = int(os.environ.get("RESIZE_SAMPLES", "64"))
 digits = os.environ.get("RESIZE_DATA") == "digits"
 if digits:
@@ -116,6 +121,8 @@ class Trace(keras.callbacks.Callback):
         write()
         if kill == (self.epoch, batch) and mgpu.rank() == mgpu.size() - 1:
             os.kill(os.getpid(), signal.SIGKILL)
+        if (self.epoch, batch) in raises and mgpu.rank() == mgpu.size() - 1:
+            raise RuntimeError("the data source failed")
         time.sleep(pause)
 
 
