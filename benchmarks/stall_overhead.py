@@ -1,7 +1,13 @@
-"""Cost of the stall inspector per training step: fit with it on and off, alternately, in one job.
+"""Cost of the stall inspector (or, with ``--timeline``, of the timeline recorder) per training
+step: fit with it on and off, alternately, in one job.
 
     python benchmarks/stall_overhead.py OUT.json [--steps 3000] [--repeats 7] [--units 256]
-    mgpu-train -np 2 benchmarks/stall_overhead.py OUT.json ...
+    mgpu-train -np 2 benchmarks/stall_overhead.py OUT.json [--timeline] ...
+
+With ``--timeline`` the inspector and its probes stay on throughout and "on" means the timeline
+recorder records (what the efficiency report, on by default at ``verbose >= 1``, and
+``MGPU_TIMELINE`` start); the dispatch figure is then the probes' cost with the recorder on
+against off.
 
 On one process (no launcher) "on" means the fit probes (what ``mgpu-train -np 1`` adds for the
 restart marker; no inspector thread exists at size 1). On several processes "on" means the
@@ -30,19 +36,28 @@ parser.add_argument("--steps", type=int, default=3000)
 parser.add_argument("--repeats", type=int, default=7)
 parser.add_argument("--units", type=int, default=256)
 parser.add_argument("--batch", type=int, default=64)
+parser.add_argument("--timeline", action="store_true",
+                    help="measure the timeline recorder instead of the stall inspector")
 args = parser.parse_args()
 
-os.environ["MGPU_PROGRESS_MARKER"] = "0"  # this script decides when the probes are on
+os.environ["MGPU_PROGRESS_MARKER"] = "1" if args.timeline else "0"  # the script decides
+os.environ["MGPU_EFFICIENCY_REPORT"] = "0"  # its recorder would be on in both modes
 mgpu.init()
 import keras  # noqa: E402
 
 from mgpu_launch import runtime
-from mgpu_launch.runtime import stall
+from mgpu_launch.runtime import stall, timeline
 from mgpu_launch.training import stall_probes  # noqa: E402
 
 
 def set_inspector(on: bool) -> None:
-    if mgpu.size() > 1:
+    if args.timeline:  # the recorder: on, or gone (the next start measures the clocks again)
+        if on:
+            timeline.ensure_recording(runtime.state)
+        else:
+            timeline.on_shutdown()
+        mgpu.barrier()
+    elif mgpu.size() > 1:
         if on:
             stall.start(runtime.state)
         else:
@@ -80,7 +95,9 @@ dispatch = {"off": [], "on": []}
 for _ in range(5):
     for mode in ("off", "on"):
         callbacks = [keras.callbacks.History()]
-        if mode == "on":
+        if args.timeline:
+            set_inspector(mode == "on")
+        if mode == "on" or args.timeline:
             callbacks = [stall_probes.FirstProbe(), *callbacks, stall_probes.LastProbe()]
         callback_list = keras.callbacks.CallbackList(callbacks, model=model)
         calls = 20_000
@@ -95,6 +112,7 @@ if mgpu.rank() == 0:
     off, on = statistics.median(per_step["off"]), statistics.median(per_step["on"])
     pairs = [b / a - 1 for a, b in zip(per_step["off"], per_step["on"])]
     result = {
+        "measured": "timeline recorder" if args.timeline else "stall inspector",
         "np": mgpu.size(), "backend": keras.backend.backend(), "keras": keras.__version__,
         "python": platform.python_version(), "machine": platform.machine(),
         "cpus": os.cpu_count(), "load_average": os.getloadavg(),

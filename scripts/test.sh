@@ -2,7 +2,9 @@
 # The project's one test command (README "Quick start"; .ci/run calls exactly this).
 # Installs the package with its test and backend extras into the current Python, then runs
 # the suite for each Keras backend in MGPU_TEST_BACKENDS (default: every backend with an
-# engine): everything under the first, then only the tests marked `backend` under the others.
+# engine): everything under the first, then only the tests marked `backend` under the others,
+# less those also marked `first_backend` (slow tests whose backend path a faster test covers
+# under every backend; MGPU_TEST_EVERY_BACKEND=1 runs them under each, about 15 more minutes).
 # The tests marked `cluster` (root, namespaces, Slurm) are left out: scripts/test_cluster.sh
 # runs them. Extra arguments go to pytest.
 set -uo pipefail
@@ -32,6 +34,10 @@ for backend in $backends; do
   elif [ "$rc" -ne 0 ]; then
     status=$rc
   fi
-  select=(-m "backend and not cluster")
+  if [ "${MGPU_TEST_EVERY_BACKEND:-0}" = 1 ]; then
+    select=(-m "backend and not cluster")
+  else
+    select=(-m "backend and not first_backend and not cluster")
+  fi
 done
 exit $status

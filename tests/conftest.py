@@ -1,7 +1,8 @@
 """The suite's shared helpers: starting jobs, the Keras backend under test, the `job` guard.
 
 Markers (pyproject.toml; --strict-markers refuses others): `backend` (run once per Keras
-backend), `job` (starts mgpu-train, mpirun or a rank process), `slow` (over 30 s on a
+backend), `first_backend` (a `backend` test that scripts/test.sh runs under the first backend
+only, to keep CI short: a faster test covers its backend path under every backend), `job` (starts mgpu-train, mpirun or a rank process), `slow` (over 30 s on a
 2-core box), `cluster` (needs root: scripts/test_cluster.sh). The fast loop is
 ``python3 -m pytest -m "not job"``.
 """

@@ -20,6 +20,7 @@ def accuracy(result):
     return float(ACCURACY.search(assert_ok(result).stdout).group(1))
 
 
+@pytest.mark.first_backend
 def test_digits_two_processes_match_one_within_a_point(tmp_path):
     example = os.path.join(ROOT, "examples", "keras_digits.py")
     one = accuracy(subprocess.run(

@@ -103,6 +103,7 @@ def test_two_processes_match_one_process(two_process_job, case):
     check_case(two_process_job, case, 2)
 
 
+@pytest.mark.first_backend
 @pytest.mark.job
 def test_four_processes_match_one_process(tmp_path):
     run_job(tmp_path, ["transformer_adamw"], 4)

@@ -21,6 +21,7 @@ ENV = {"KERAS_BACKEND": BACKEND, "TF_CPP_MIN_LOG_LEVEL": "2"}
 CIFAR_FILES = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
 
 
+@pytest.mark.first_backend
 @pytest.mark.backend
 @pytest.mark.job
 def test_quick_start_example_trains_on_two_processes(tmp_path):

@@ -75,6 +75,7 @@ def test_adam(tmp_path_factory, reference):
     assert_same(weights[0], reference["adam"])
 
 
+@pytest.mark.first_backend
 def test_op_sum_doubles_the_gradient(tmp_path_factory, reference):
     # SGD with momentum is linear in the gradient: summing 2 ranks == averaging with 2x lr.
     weights, _ = train(tmp_path_factory, {"op": "sum"}, np_=2)
@@ -96,6 +97,7 @@ def test_fp16_compression_is_close(tmp_path_factory, reference):
     assert_same(weights[0], reference["sgd"], rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.first_backend
 def test_different_seeds_start_from_rank_0(tmp_path_factory, reference):
     # No BroadcastGlobalVariablesCallback: the optimizer's first step does it.
     weights, _ = train(tmp_path_factory, {"seed_per_rank": 1}, np_=2)
@@ -133,6 +135,7 @@ def test_bucket_size_does_not_change_the_result(tmp_path_factory):
     assert_ranks_identical([one_per_tensor[0], all_in_one[0]])
 
 
+@pytest.mark.first_backend
 def test_different_models_fail_fast_with_the_variable_named(tmp_path_factory):
     out = tmp_path_factory.mktemp("mismatch")
     result = launch("-np", "2", TRAIN, json.dumps({"extra_units_on_rank1": True}), str(out),

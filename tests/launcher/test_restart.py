@@ -78,6 +78,7 @@ def _check_restart_equals_uninterrupted(tmp_path, **env):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.first_backend
 @requires_mpirun
 @pytest.mark.backend
 @pytest.mark.job
@@ -98,6 +99,7 @@ def test_restarted_with_step_backups_ends_like_an_uninterrupted_run(tmp_path):
 
 # Keras's fit(shuffle=True) is the default: shard()'s data must not be reordered by it, or the
 # resumed epoch drops batches of an order nobody can replay (measured before: 27% off).
+@pytest.mark.first_backend
 @requires_mpirun
 @pytest.mark.backend
 @pytest.mark.job

@@ -56,6 +56,7 @@ def test_positions_only_move_forward(monkeypatch):
     assert stall.position() == (6, stall.TRAIN_STEP, "")
 
 
+@pytest.mark.first_backend
 @requires_mpirun
 @pytest.mark.backend
 @pytest.mark.job

@@ -69,6 +69,7 @@ def test_momentum_correction_reaches_the_compiled_step(tmp_path):
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.first_backend
 @pytest.mark.job
 def test_warmup_multiplies_a_learning_rate_schedule(tmp_path):
     result = probe(tmp_path, {"warmup_epochs": 2, "epochs": 3, "optimizer": "schedule"})
@@ -77,6 +78,7 @@ def test_warmup_multiplies_a_learning_rate_schedule(tmp_path):
     np.testing.assert_allclose(used, np.array(warmup_rates(3, 2)) * decay, rtol=1e-5)
 
 
+@pytest.mark.first_backend
 @pytest.mark.job
 def test_schedule_with_a_constant_multiplier(tmp_path):
     # lr x 0.5^(epoch - 1) for epochs 1 and 2; epoch 0 keeps the optimizer's own 0.1.

@@ -15,6 +15,7 @@ RECIPE = os.path.join(SCRIPTS, "recipe.py")
 ENV = {"KERAS_BACKEND": BACKEND, "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 
+@pytest.mark.first_backend
 def test_checkpoints_are_written_once_by_rank_0_and_throughput_is_logged(tmp_path):
     launch_ok("-np", "2", RECIPE, "checkpoint", str(tmp_path), timeout=180, **ENV)
     assert sorted(os.listdir(tmp_path / "rank0")) == [f"model-{e}.keras" for e in (1, 2, 3)]
@@ -30,6 +31,7 @@ def test_checkpoints_are_written_once_by_rank_0_and_throughput_is_logged(tmp_pat
     assert all(rate > 0 for rate in histories[0]["samples_per_sec"])
 
 
+@pytest.mark.first_backend
 def test_a_kill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     result = launch("-np", "2", RECIPE, "kill", str(tmp_path), timeout=180, **ENV)
     assert result.returncode != 0

@@ -22,6 +22,7 @@ def weights(out):
     return [list(np.load(out / f"rank.{r}.npz").values()) for r in range(2)]
 
 
+@pytest.mark.first_backend
 @pytest.mark.job
 def test_killed_mid_epoch_then_restarted_equals_uninterrupted(tmp_path):
     (tmp_path / "ref").mkdir()

@@ -38,6 +38,7 @@ def check_training_went_on(report, backend):
         assert 0 < entry["loss"] < 1.5, entry  # 3 classes: ln 3 = 1.1 at chance
 
 
+@pytest.mark.first_backend
 @pytest.mark.backend
 def test_saved_files_load_and_train_in_plain_keras(tmp_path):
     saved = launch_ok("-np", "2", SAVING, "save", str(tmp_path), timeout=300,
