@@ -399,7 +399,8 @@ def group_of(process_set: Optional[ProcessSet], what: str, member: bool = True) 
     """The registered group behind `process_set` (None: the global set).
 
     Args:
-        process_set: a registered :class:`ProcessSet`, ``global_process_set`` or None.
+        process_set: a registered :class:`ProcessSet`, ``global_process_set``, None, or a
+            :class:`Group` resolved before.
         what: the calling collective, for the messages.
         member: require this rank to be in the set (every collective does).
 
@@ -410,6 +411,10 @@ def group_of(process_set: Optional[ProcessSet], what: str, member: bool = True) 
     _require_initialized(what)
     if process_set is None:
         return _table[0]
+    if isinstance(process_set, Group):  # resolved before (an engine's, an optimizer's)
+        if member:
+            process_set.index(_rank, what)
+        return process_set
     if not isinstance(process_set, ProcessSet):
         raise ValueError(f"{what}: process_set={process_set!r} is not a process set: pass "
                          f"mgpu.global_process_set or a ProcessSet registered with "
