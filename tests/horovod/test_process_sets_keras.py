@@ -2,7 +2,7 @@
 sets added after init() (HOROVOD_DYNAMIC_PROCESS_SETS=1), the host collectives within them,
 and DistributedOptimizer(process_set=) in `fit`, replayed here by hand: SGD on the average of
 the set's members' gradients from the set's first rank's weights; a rank outside the set
-trains on its own gradients from its own weights."""
+trains on its own gradients from its own weights. The JAX engine refuses a set, saying why."""
 
 import json
 import os
@@ -49,6 +49,11 @@ def test_sets_added_later_host_collectives_and_optimizer_within_a_set(tmp_path, 
         assert report["broadcast"] == [mine[-1] * 10.0]
         assert report["reducescatter"] == [[sum(r + 1.0 for r in mine)]] * 2
         assert report["broadcast_object"] == mine[-1]
+        if backend == "jax":
+            assert report["fit_error"].startswith(
+                "DistributedOptimizer(process_set=...): the jax engine cannot reduce within "
+                f"process set {1 if mine == EVEN else 2} (every process runs one program")
+            continue
         np.testing.assert_allclose(report["fit_mine"], replay_fit(mine), rtol=1e-5)
         np.testing.assert_allclose(report["fit_first_three"], replay_fit(
             FIRST_THREE if rank in FIRST_THREE else [rank]), rtol=1e-5)

@@ -5,7 +5,8 @@
 Sets added after init() (Horovod's switch in the environment): {0, 2} and {1, 3}, each rank
 using the one it is in, and {0, 1, 2}. The host collectives of Horovod's Keras names within
 a set, and two `fit`s of a linear model whose DistributedOptimizer reduces within a set: the
-test replays both by hand (rank 3 is outside {0, 1, 2}: it trains on its own batches).
+test replays both by hand (rank 3 is outside {0, 1, 2}: it trains on its own batches). On JAX
+the first fit's refusal is reported instead.
 """
 
 import json
@@ -60,8 +61,11 @@ def fit(process_set):
     return plain(model.layers[0].kernel)
 
 
-report["fit_mine"] = fit(mine)
-report["fit_first_three"] = fit(first_three)
+try:
+    report["fit_mine"] = fit(mine)
+    report["fit_first_three"] = fit(first_three)
+except ValueError as error:  # the JAX engine reduces over every rank only
+    report["fit_error"] = str(error)
 report["removed"] = hvd.remove_process_set(first_three)
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     json.dump(report, f)
