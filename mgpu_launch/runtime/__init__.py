@@ -12,8 +12,10 @@ topology and the host collectives pays for neither. Its modules, lowest first:
     stall           the stall inspector: which rank waits where, named when a step stalls
     timeline        every rank's step phases and host collectives, merged into one trace
     errors          the layer's exceptions (NotInitializedError, MismatchError, ...)
-    process_sets    Horovod's process sets: ProcessSet, the table of registered sets and
-                    their MPI sub-communicators, add / remove
+    process_set_table  the registered process sets, their MPI sub-communicators, the
+                    engines' listeners
+    process_sets    Horovod's process sets: ProcessSet, init's sets, add / remove, the
+                    lookup every collective's process_set= goes through
     this module     init() / shutdown(), the topology (rank, size, local, cross), the MPI
                     communicator: one state object
     collectives     host collectives over MPI (allreduce, allgather, broadcast, barrier) with

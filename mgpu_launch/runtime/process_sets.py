@@ -17,18 +17,22 @@ instead of hanging in the sub-communicator's creation. A rank outside a set that
 collective on it gets :class:`NotInProcessSetError` at once (Horovod: "Rank r is not a
 member of the provided process set"); it does not wait for the members.
 
-The runtime layer only keeps the table and the communicators. Engines that need a handle of
-their own per set (torch's ``new_group``) register a listener (:func:`add_listener`), which
-is told about every set added or removed, on every rank.
+The runtime layer only keeps the table and the communicators
+(``mgpu_launch.runtime.process_set_table``). Engines that need a handle of their own per set
+(torch's ``new_group``) register a listener (:func:`add_listener`), which is told about every
+set added or removed, on every rank.
 """
 
-import dataclasses
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Iterable, List, Optional, Sequence, Union
 
-from mgpu_launch.runtime.errors import MismatchError, NotInitializedError, NotInProcessSetError
+from mgpu_launch.runtime import process_set_table as table
+from mgpu_launch.runtime.errors import NotInitializedError, NotInProcessSetError
+from mgpu_launch.runtime.process_set_table import (Group, add_listener, registered,
+                                                   remove_listener)
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-           "NotInProcessSetError", "Group", "group_of", "registered", "add_listener"]
+           "NotInProcessSetError", "Group", "group_of", "registered", "add_listener",
+           "remove_listener"]
 
 
 class ProcessSet:
@@ -66,9 +70,9 @@ class ProcessSet:
         self.ranks: Optional[List[int]] = sorted(ranks)
         self.process_set_id: Optional[int] = None
 
-    def _entry(self) -> Optional["Group"]:
+    def _entry(self) -> Optional[Group]:
         """The registered group this object stands for, or None."""
-        found = _table.get(self.process_set_id)
+        found = table.lookup(self.process_set_id)
         return found if found is not None and list(found.ranks) == self.ranks else None
 
     def size(self) -> Optional[int]:
@@ -87,11 +91,11 @@ class ProcessSet:
         entry = self._entry()
         if entry is None:
             return None
-        return entry.index(_own_rank(), f"{self}.rank()")
+        return entry.index(table.own_rank(), f"{self}.rank()")
 
     def included(self) -> Optional[bool]:
         """Whether this process is in the set; None while it is not registered."""
-        return None if self._entry() is None else _own_rank() in self.ranks
+        return None if self._entry() is None else table.own_rank() in self.ranks
 
     def __repr__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
@@ -105,98 +109,15 @@ class _GlobalProcessSet(ProcessSet):
 
     @property
     def ranks(self) -> List[int]:
-        group = _table.get(0)
+        group = table.lookup(0)
         return list(group.ranks) if group is not None else []
 
-    def _entry(self) -> Optional["Group"]:
-        return _table.get(0)
+    def _entry(self) -> Optional[Group]:
+        return table.lookup(0)
 
 
 #: every rank of the job (Horovod's ``hvd.global_process_set``)
 global_process_set = _GlobalProcessSet()
-
-
-@dataclasses.dataclass(frozen=True)
-class Group:
-    """A registered process set as the collectives see it.
-
-    Attributes:
-        process_set_id: its id (0: every rank).
-        ranks: its sorted global ranks.
-        comm: its MPI communicator on a member (the runtime's global one for id 0); None on a
-            non-member and on a one-process job.
-    """
-
-    process_set_id: int
-    ranks: Tuple[int, ...]
-    comm: Any = None
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    def index(self, global_rank: int, what: str) -> int:
-        """`global_rank`'s position in the set.
-
-        Raises:
-            NotInProcessSetError: `global_rank` is not in the set (`what` names the call).
-        """
-        try:
-            return self.ranks.index(global_rank)
-        except ValueError:
-            raise NotInProcessSetError(
-                f"{what}: rank {global_rank} is not a member of process set "
-                f"{self.process_set_id} (ranks {list(self.ranks)}). Only its members may "
-                f"call collectives on it: test process_set.included() first.") from None
-
-    def root_index(self, root_rank: int, what: str) -> int:
-        """The position of `root_rank` (a global rank, as Horovod's ``root_rank``) in the set.
-
-        Raises:
-            ValueError: `root_rank` is not a member of the set.
-        """
-        if root_rank not in self.ranks:
-            raise ValueError(f"{what}: root_rank={root_rank} is not a member of process set "
-                             f"{self.process_set_id} (ranks {list(self.ranks)}): root_rank is a "
-                             f"global rank, and must be one of the set's")
-        return self.ranks.index(root_rank)
-
-
-#: id -> registered group; filled by init() (id 0 and the static sets), emptied by shutdown()
-_table: Dict[int, Group] = {}
-_dynamic = False
-_next_id = 1
-_comm = None  # the runtime's global communicator (None on one process)
-_rank = 0
-Listener = Tuple[Callable[[Group], None], Callable[[Group], None]]
-_listeners: List[Listener] = []
-
-
-def _own_rank() -> int:
-    return _rank
-
-
-def add_listener(added: Callable[[Group], None], removed: Callable[[Group], None]) -> None:
-    """Call ``added(group)`` for every set registered from now on (and now, for those already
-    registered other than the global one), ``removed(group)`` for every set removed; on
-    every rank, members or not, in registration order (an engine's ``new_group`` needs all)."""
-    if (added, removed) in _listeners:
-        return
-    _listeners.append((added, removed))
-    for process_set_id in sorted(_table):
-        if process_set_id:
-            added(_table[process_set_id])
-
-
-def remove_listener(added: Callable[[Group], None], removed: Callable[[Group], None]) -> None:
-    """Stop calling a pair given to :func:`add_listener` (an engine's shutdown)."""
-    if (added, removed) in _listeners:
-        _listeners.remove((added, removed))
-
-
-def registered() -> List[Group]:
-    """Every registered set, the global one first, in id order."""
-    return [_table[key] for key in sorted(_table)]
 
 
 def start(state, process_sets, dynamic: bool) -> None:
@@ -207,16 +128,17 @@ def start(state, process_sets, dynamic: bool) -> None:
         process_sets: None, or a list of :class:`ProcessSet` (the same on every rank).
         dynamic: allow :func:`add_process_set` / :func:`remove_process_set` later.
     """
-    global _dynamic, _next_id, _comm, _rank
-    _comm, _rank, _dynamic, _next_id = state.comm, state.rank, bool(dynamic), 1
-    _table.clear()
-    _table[0] = Group(0, tuple(range(state.size)), state.comm)
+    table.reset(state.rank, state.size, state.comm, dynamic)
+    everyone = table.lookup(0).ranks
     if process_sets is not None and not isinstance(process_sets, (list, tuple)):
         raise ValueError(f"init(process_sets={process_sets!r}): expected a list of "
                          f"mgpu.ProcessSet, or 'dynamic'")
     sets = list(process_sets or ())
     for item in sets:
-        if not isinstance(item, ProcessSet) or isinstance(item, _GlobalProcessSet):
+        if isinstance(item, _GlobalProcessSet):
+            raise ValueError("init(process_sets=...): the global process set is registered "
+                             "always (id 0); leave it out of the list")
+        if not isinstance(item, ProcessSet):
             raise ValueError(f"init(process_sets=...): expected a list of mgpu.ProcessSet (or "
                              f"'dynamic'), got {item!r} in it. Build each with "
                              f"ProcessSet([ranks]).")
@@ -224,13 +146,13 @@ def start(state, process_sets, dynamic: bool) -> None:
     for position, item in enumerate(sets):
         _check_ranks(item.ranks, state.size, "init(process_sets=...)")
         key = tuple(item.ranks)
-        if key in seen or key == _table[0].ranks:
-            other = "the global process set" if key == _table[0].ranks else \
+        if key in seen or key == everyone:
+            other = "the global process set" if key == everyone else \
                 f"entry number {seen[key]}"
             raise ValueError(f"init(process_sets=...): entry number {position}, {item}, has "
                              f"the same ranks as {other}. Pass each set of ranks once.")
         seen[key] = position
-    _agree("init(process_sets=...)", [item.ranks for item in sets])
+    table.agree("init(process_sets=...)", [item.ranks for item in sets])
     for item in sets:
         _register(item)
 
@@ -245,7 +167,7 @@ def check_registered(process_sets) -> None:
     if process_sets is None:
         return
     if isinstance(process_sets, str):
-        if process_sets.lower() == "dynamic" and not _dynamic:
+        if process_sets.lower() == "dynamic" and not table.dynamic():
             raise ValueError("init(process_sets='dynamic') after the job was initialized "
                              "without it: pass it to the first init() call (or set "
                              "MGPU_DYNAMIC_PROCESS_SETS=1)")
@@ -260,12 +182,7 @@ def check_registered(process_sets) -> None:
 
 def stop() -> None:
     """Called by ``shutdown()`` before the global communicator goes: free every set's."""
-    global _comm
-    for process_set_id in sorted(_table, reverse=True):
-        if process_set_id:
-            _unregister(process_set_id)
-    _table.clear()
-    _comm = None
+    table.clear()
 
 
 def _check_ranks(ranks: Sequence[int], size: int, what: str) -> None:
@@ -275,53 +192,18 @@ def _check_ranks(ranks: Sequence[int], size: int, what: str) -> None:
                          f"processes (expected 0 .. {size - 1})")
 
 
-def _agree(what: str, description) -> None:
-    """Raise MismatchError on every rank unless all passed the same `description`."""
-    if _comm is None:
-        return
-    everyone = _comm.allgather(description)
-    for rank, other in enumerate(everyone):
-        if other != everyone[0]:
-            raise MismatchError(
-                f"{what}: ranks disagree — rank 0 passed {everyone[0]}, rank {rank} passed "
-                f"{other}. Every rank must register the same process sets, in the same order.")
-
-
 def _register(process_set: ProcessSet) -> None:
-    global _next_id
-    process_set_id, _next_id = _next_id, _next_id + 1
-    comm = None
-    if _comm is not None:
-        from mpi4py import MPI
-        member = _rank in process_set.ranks
-        # Split is collective over every rank: non-members get COMM_NULL and keep nothing.
-        sub = _comm.Split(color=0 if member else MPI.UNDEFINED, key=_rank)
-        comm = sub if member else None
-    group = Group(process_set_id, tuple(process_set.ranks), comm)
-    _table[process_set_id] = group
-    process_set.process_set_id = process_set_id
-    for added, _ in list(_listeners):
-        added(group)
-
-
-def _unregister(process_set_id: int) -> None:
-    group = _table.pop(process_set_id)
-    for _, removed in list(_listeners):
-        removed(group)
-    if group.comm is not None:
-        from mpi4py import MPI
-        if not MPI.Is_finalized():
-            group.comm.Free()
+    process_set.process_set_id = table.register(process_set.ranks).process_set_id
 
 
 def _require_initialized(what: str) -> None:
-    if 0 not in _table:
+    if not table.ready():
         raise NotInitializedError(f"{what} before mgpu.init(): call init() first (with "
                                   f"process_sets='dynamic' to add sets later)")
 
 
 def _require_dynamic(what: str) -> None:
-    if not _dynamic:
+    if not table.dynamic():
         raise ValueError(
             f"{what} needs dynamic process sets: call init(process_sets='dynamic') or set "
             f"MGPU_DYNAMIC_PROCESS_SETS=1 (under the Horovod names also "
@@ -355,9 +237,9 @@ def add_process_set(process_set: Union[ProcessSet, Sequence[int]]) -> ProcessSet
         process_set = ProcessSet(process_set)
     if isinstance(process_set, _GlobalProcessSet) or process_set._entry() is not None:
         raise ValueError(f"add_process_set: {process_set} is registered already")
-    _check_ranks(process_set.ranks, _table[0].size, "add_process_set")
-    _agree("add_process_set", process_set.ranks)
-    duplicate = [g for g in _table.values() if list(g.ranks) == process_set.ranks]
+    _check_ranks(process_set.ranks, table.lookup(0).size, "add_process_set")
+    table.agree("add_process_set", process_set.ranks)
+    duplicate = [g for g in table.registered() if list(g.ranks) == process_set.ranks]
     if duplicate:
         raise ValueError(f"add_process_set: attempted to add a duplicate process set: "
                          f"process set {duplicate[0].process_set_id} has the ranks "
@@ -387,10 +269,10 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         raise ValueError(f"remove_process_set({process_set!r}): expected a ProcessSet that "
                          f"add_process_set or init returned")
     known = process_set._entry() is not None and process_set.process_set_id != 0
-    _agree("remove_process_set", process_set.process_set_id if known else None)
+    table.agree("remove_process_set", process_set.process_set_id if known else None)
     if not known:
         return False
-    _unregister(process_set.process_set_id)
+    table.unregister(process_set.process_set_id)
     process_set.process_set_id = None
     return True
 
@@ -410,10 +292,10 @@ def group_of(process_set: Optional[ProcessSet], what: str, member: bool = True) 
     """
     _require_initialized(what)
     if process_set is None:
-        return _table[0]
+        return table.lookup(0)
     if isinstance(process_set, Group):  # resolved before (an engine's, an optimizer's)
         if member:
-            process_set.index(_rank, what)
+            process_set.index(table.own_rank(), what)
         return process_set
     if not isinstance(process_set, ProcessSet):
         raise ValueError(f"{what}: process_set={process_set!r} is not a process set: pass "
@@ -425,5 +307,5 @@ def group_of(process_set: Optional[ProcessSet], what: str, member: bool = True) 
                          f"register it with init(process_sets=[...]) or add_process_set "
                          f"before using it")
     if member:
-        group.index(_rank, what)
+        group.index(table.own_rank(), what)
     return group

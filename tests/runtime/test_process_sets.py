@@ -121,6 +121,12 @@ def test_one_process_init_with_sets(fresh_runtime):
     mgpu.shutdown()
     with pytest.raises(ValueError, match="expected None, a list of mgpu.ProcessSet"):
         mgpu.init(process_sets="static")
+    with pytest.raises(ValueError, match="the global process set is registered always"):
+        mgpu.init(process_sets=[mgpu.global_process_set])
+    mgpu.shutdown()
+    with pytest.raises(ValueError, match=r"expected a list of mgpu.ProcessSet .* got \[0\]"):
+        mgpu.init(process_sets=[[0]])
+    mgpu.shutdown()
     mgpu.init(process_sets="dynamic")
     assert mgpu.global_process_set.ranks == [0] and mgpu.global_process_set.size() == 1
     with pytest.raises(ValueError, match="duplicate process set"):
