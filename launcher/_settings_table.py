@@ -188,6 +188,9 @@ SETTINGS: Dict[str, Setting] = _declare(
     _("MGPU_ENGINE", "choice", "keras", RANKS,
       "`none`: no engine, host collectives only, Keras never imported (also skips "
       "mgpu-train's KERAS_BACKEND check)", choices=("keras", "none"), example="none"),
+    _("MGPU_DYNAMIC_PROCESS_SETS", "flag", False, RANKS,
+      "allow `add_process_set` / `remove_process_set` after `init()` (as "
+      "`init(process_sets=\"dynamic\")`; Horovod's `HOROVOD_DYNAMIC_PROCESS_SETS`)"),
     _("MGPU_FUSION_MB", "number", None, RANKS,
       "MiB per fused gradient allreduce buffer (JAX: 0 = one psum of the list, fused by XLA)",
       low=0, expected="a number of MiB >= 0", example="64", shown_default="64 (JAX), 25 (torch)"),

@@ -13,6 +13,9 @@ from mgpu_launch.runtime import (NotInitializedError, cross_rank, cross_size, in
 from mgpu_launch.runtime.collectives import (Average, Max, Min, MismatchError, ReduceOp, Sum,
                                              allgather, allgather_object, allreduce, barrier,
                                              broadcast, broadcast_object)
+from mgpu_launch.runtime.process_sets import (NotInProcessSetError, ProcessSet,
+                                              add_process_set, global_process_set,
+                                              remove_process_set)
 
 # Importing the engine package (no framework yet) adds its set-up to init() and shutdown().
 from mgpu_launch import engines as _engines  # noqa: E402,F401  isort: skip
@@ -60,7 +63,9 @@ __all__ = [
     "__version__", "init", "shutdown", "is_initialized", "size", "rank", "local_rank",
     "local_size", "cross_rank", "cross_size", "is_chief", "allreduce", "allgather",
     "allgather_object", "broadcast", "broadcast_object", "barrier", "ReduceOp", "Average",
-    "Sum", "Min", "Max", "MismatchError", "NotInitializedError", "DistributedOptimizer",
+    "Sum", "Min", "Max", "MismatchError", "NotInitializedError", "ProcessSet",
+    "global_process_set", "add_process_set", "remove_process_set", "NotInProcessSetError",
+    "DistributedOptimizer",
     "scale_lr", "load_model", "Compression", "callbacks", "data", "layers", "run",
     "RemoteError",
 ]

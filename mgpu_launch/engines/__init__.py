@@ -80,7 +80,7 @@ class Engine:
         return tree
 
     def allreduce(self, tensors: Sequence[Any], *, average: bool, prescale: float = 1.0,
-                  postscale: float = 1.0, compression=None) -> List[Any]:
+                  postscale: float = 1.0, compression=None, group=None) -> List[Any]:
         """Sum (or average) a list of tensors across ranks, inside the compiled step.
 
         Args:
@@ -89,11 +89,35 @@ class Engine:
             prescale: multiply each tensor by this before the sum (Horovod's predivide).
             postscale: multiply each result by this after the sum (and the average).
             compression: a ``mgpu_launch.runtime.compression`` codec for the wire, or None.
+            group: None (every rank) or a process set's ``runtime.process_sets.Group``
+                (only where :meth:`supports_process_sets`): its members reduce among
+                themselves, an average divides by its size.
 
         Returns:
             The reduced tensors, in the same order, shapes and dtypes.
         """
         raise NotImplementedError
+
+    # -- process sets (mgpu_launch.runtime.process_sets) -------------------------------------
+    def supports_process_sets(self) -> bool:
+        """Whether :meth:`allreduce` and :meth:`reduce_gradients` take a process set's group."""
+        return False
+
+    def process_sets_reason(self) -> str:
+        """Why this engine has no process sets, for the refusal's message."""
+        return "its collectives have no groups here"
+
+    def check_group(self, group, what: str) -> None:
+        """Raise unless `group` is None, the global set, or this engine takes process sets.
+
+        Raises:
+            ValueError: the engine reduces over every rank only; the message says why.
+        """
+        if group is not None and group.process_set_id and not self.supports_process_sets():
+            raise ValueError(
+                f"{what}: the {self.name} engine cannot reduce within process set "
+                f"{group.process_set_id} ({self.process_sets_reason()}). Reduce over every "
+                f"rank (process_set=None), use the host collectives, or the TensorFlow backend.")
 
     # -- small differentiable collectives in the forward pass (synchronized BatchNorm) -----------
     def reduces_in_step(self) -> bool:
@@ -142,15 +166,18 @@ class Engine:
 
     def reduce_gradients(self, grads, variables, *, average: bool, prescale: float = 1.0,
                          postscale: float = 1.0, compression=None,
-                         sparse_as_dense: bool = False) -> List[Any]:
+                         sparse_as_dense: bool = False, group=None) -> List[Any]:
         """The optimizer's reduction: missing gradients as zeros, sparse ones dense, then
         :meth:`allreduce` (or what :meth:`watch` already started). A backend with sparse
-        gradients (TensorFlow) gathers them instead unless `sparse_as_dense`."""
+        gradients (TensorFlow) gathers them instead unless `sparse_as_dense`. `group`: as in
+        :meth:`allreduce`."""
         from keras import ops
+        self.check_group(group, "reduce_gradients")
         dense = [ops.zeros_like(v) if g is None else self.densify(g)
                  for g, v in zip(grads, variables)]
+        within = {} if group is None else {"group": group}
         return self.allreduce(dense, average=average, prescale=prescale, postscale=postscale,
-                              compression=compression)
+                              compression=compression, **within)
 
     def densify(self, gradient):
         """A sparse gradient (e.g. TF IndexedSlices) as a dense tensor; others unchanged."""
@@ -183,15 +210,17 @@ class Engine:
         """Whether the variables' values can be read now (False: only inside the step)."""
         return True
 
-    def broadcast_variables(self, variables: Sequence[Any], root_rank: int) -> None:
-        """Assign rank `root_rank`'s values to `variables` (Keras variables) on every rank."""
+    def broadcast_variables(self, variables: Sequence[Any], root_rank: int, group=None) -> None:
+        """Assign rank `root_rank`'s values to `variables` (Keras variables) on every rank (of
+        process set `group`, a ``runtime.process_sets.Group``; on the host, so every backend
+        takes one)."""
         import numpy as np
 
         from mgpu_launch.runtime import collectives
 
         for variable in variables:
             value = np.asarray(variable.numpy())
-            variable.assign(collectives.broadcast(value, root_rank=root_rank))
+            variable.assign(collectives.broadcast(value, root_rank=root_rank, process_set=group))
 
 
 _engine: Optional[Engine] = None

@@ -139,10 +139,17 @@ class JaxEngine(Engine):
             self.mesh = None
 
     # -- inside the step ------------------------------------------------------------------------
+    def process_sets_reason(self) -> str:
+        return ("every process runs one program, traced alike, over a mesh of every device "
+                "(shard_map): a psum within a set would make the members' programs differ "
+                "from the others'")
+
     def allreduce(self, tensors: Sequence[Any], *, average: bool, prescale: float = 1.0,
-                  postscale: float = 1.0, compression=None) -> List[Any]:
+                  postscale: float = 1.0, compression=None, group=None) -> List[Any]:
         import jax
         import jax.numpy as jnp
+
+        self.check_group(group, "allreduce")
 
         if not self._in_step:
             raise RuntimeError(

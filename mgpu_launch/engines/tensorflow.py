@@ -83,6 +83,7 @@ class TensorFlowEngine(Engine):
         self.comm = None
         self._instance_key = self._ordering_token = None
         self._signatures = {}  # fixed instance key -> the signature it was derived from
+        self._set_counters = {}  # TF group key of a process set -> its fresh-key counter
         # graph being traced -> {(dtype, shape): collectives of that signature traced so far}
         self._positions = weakref.WeakKeyDictionary()
 
@@ -189,22 +190,26 @@ class TensorFlowEngine(Engine):
                 "jit_compile=False, or leave the default 'auto': mgpu then turns XLA off "
                 "where the collectives cannot be compiled.")
 
-    def _instance_key_for(self, flat, kind: str = "reduce"):
+    def _instance_key_for(self, flat, kind: str = "reduce", group=None):
         """The same key on every rank and in every execution of this collective (see the module
         docstring); a fresh one per execution when the buffer's shape is not static. `kind`
-        keeps collectives of other types (gathers, broadcasts) off a sum's keys."""
+        keeps collectives of other types (gathers, broadcasts) off a sum's keys; `group` (a
+        process set's ``tensorflow_collectives.Members``) tags the signature with its set and
+        counts fresh keys on a counter of its own (its members alone execute them)."""
         import tensorflow as tf
         from tensorflow.python.framework import ops
 
+        tag = group.tag if group is not None else ""
         if not flat.shape.is_fully_defined():
-            return self._instance_key.assign_add(1)
+            return self._counter(group).assign_add(1)
+        kind = f"{tag}{kind}"
         position = 0
         if not tf.executing_eagerly():
             seen = self._positions.setdefault(ops.get_default_graph(), {})
             base = (kind, flat.dtype.name, tuple(flat.shape.as_list()))
             position = seen[base] = seen.get(base, -1) + 1
         signature = f"{flat.dtype.name}:{flat.shape.as_list()}:{position}"
-        signature = signature if kind == "reduce" else f"{kind}:{signature}"
+        signature = signature if kind == "reduce" else f"{kind}:{signature}"  # (global sums)
         key = 1 + zlib.crc32(signature.encode()) % _FIXED_KEYS
         known = self._signatures.setdefault(key, signature)
         if known != signature:
@@ -214,11 +219,23 @@ class TensorFlowEngine(Engine):
                 f"it, and meanwhile change one buffer's shape or dtype.")
         return key
 
-    def _sum_flat(self, flat):
+    def _counter(self, group):
+        """The variable fresh instance keys are counted on: one per TensorFlow group."""
+        import tensorflow as tf
+        if group is None or group.process_set_id == 0:
+            return self._instance_key
+        if group.key not in self._set_counters:
+            with tf.init_scope():  # also when first asked for inside a traced function
+                self._set_counters[group.key] = tf.Variable(
+                    _FIXED_KEYS, dtype=tf.int32, trainable=False,
+                    name=f"mgpu_collective_instance_key_set{group.process_set_id}")
+        return self._set_counters[group.key]
+
+    def _sum_flat(self, flat, group):
         import tensorflow as tf
 
         if self.transport == "mpi":
-            comm = self.comm
+            comm = group.comm
 
             def host_sum(buffer):
                 from mpi4py import MPI
@@ -230,27 +247,34 @@ class TensorFlowEngine(Engine):
 
             summed = tf.numpy_function(host_sum, [flat], flat.dtype, stateful=True)
             return tf.ensure_shape(summed, flat.shape)
-        return self.collective_reduce(flat)
+        return self.collective_reduce(flat, members=group)
 
-    def collective_reduce(self, tensor, *, kind: str = "reduce", merge_op: str = "Add"):
-        """One in-graph ``CollectiveReduceV2`` of `tensor` over all ranks (``merge_op``: Add,
-        Min, Max or Mul), keyed by its signature within `kind` (see ``_instance_key_for``) and
-        ordered behind the step's other collectives."""
+    def collective_reduce(self, tensor, *, kind: str = "reduce", merge_op: str = "Add",
+                          members=None):
+        """One in-graph ``CollectiveReduceV2`` of `tensor` over all ranks, or over `members`
+        (a process set's ``tensorflow_collectives.Members``) (``merge_op``: Add, Min, Max or
+        Mul), keyed by its signature within `kind` (see ``_instance_key_for``) and ordered
+        behind the step's other collectives."""
         import tensorflow as tf
+        group = members or tensorflow_collectives.members(self)
         return tf.raw_ops.CollectiveReduceV2(
-            input=tensor, group_size=self.size, group_key=1,
-            instance_key=self._instance_key_for(tensor, kind=kind),
+            input=tensor, group_size=group.size, group_key=group.key,
+            instance_key=self._instance_key_for(tensor, kind, members),
             ordering_token=[self._ordering_token.handle],
             merge_op=merge_op, final_op="Id", communication_hint=self.implementation,
             timeout_seconds=self.timeout)
 
+    def supports_process_sets(self) -> bool:
+        return True
+
     def allreduce(self, tensors: Sequence[Any], *, average: bool, prescale: float = 1.0,
-                  postscale: float = 1.0, compression=None) -> List[Any]:
+                  postscale: float = 1.0, compression=None, group=None) -> List[Any]:
         import tensorflow as tf
 
         self._check_not_xla()
+        members = tensorflow_collectives.members(self, group, "allreduce")
         tensors = [tf.convert_to_tensor(t) for t in tensors]
-        prescale, scale = reduction.scales(average, self.size, prescale, postscale)
+        prescale, scale = reduction.scales(average, members.size, prescale, postscale)
         specs = [reduction.TensorSpec(t.dtype.name, _elements(t), t.dtype.size) for t in tensors]
         result: List[Any] = [None] * len(tensors)
         # One buffer per dtype (no MGPU_FUSION_MB limit here), the same on every rank.
@@ -260,7 +284,7 @@ class TensorFlowEngine(Engine):
             if prescale != 1.0:
                 flat = flat * tf.cast(prescale, flat.dtype)
             wire = compression.compress(flat) if compression else flat
-            summed = self._sum_flat(wire)
+            summed = self._sum_flat(wire, members)
             summed = compression.decompress(summed, flat.dtype) if compression else summed
             if scale != 1.0:
                 summed = summed * tf.cast(scale, summed.dtype)
@@ -284,22 +308,24 @@ class TensorFlowEngine(Engine):
         import tensorflow as tf
         return not tf.executing_eagerly()
 
-    def allgather(self, tensors):
+    def allgather(self, tensors, group=None):
         """Each tensor of `tensors` (the same number of rows on this rank) gathered along
-        axis 0 from every rank, in rank order; the row count may differ between ranks."""
-        return tensorflow_collectives.allgather_rows(self, tensors)
+        axis 0 from every rank (of process set `group`), in rank order; the row count may
+        differ between ranks."""
+        return tensorflow_collectives.allgather_rows(self, tensors, group)
 
-    def broadcast(self, tensor, root_rank: int):
-        """Rank `root_rank`'s `tensor`, on every rank."""
-        return tensorflow_collectives.broadcast(self, tensor, root_rank)
+    def broadcast(self, tensor, root_rank: int, group=None):
+        """Rank `root_rank`'s `tensor`, on every rank (of process set `group`)."""
+        return tensorflow_collectives.broadcast(self, tensor, root_rank, group)
 
-    def reduce(self, tensor, op: str):
-        """`tensor` combined elementwise over the ranks: op "sum", "min", "max" or "product"."""
-        return tensorflow_collectives.reduce(self, tensor, op)
+    def reduce(self, tensor, op: str, group=None):
+        """`tensor` combined elementwise over the ranks (of process set `group`): op "sum",
+        "min", "max" or "product"."""
+        return tensorflow_collectives.reduce(self, tensor, op, group)
 
     def reduce_gradients(self, grads, variables, *, average: bool, prescale: float = 1.0,
                          postscale: float = 1.0, compression=None,
-                         sparse_as_dense: bool = False) -> List[Any]:
+                         sparse_as_dense: bool = False, group=None) -> List[Any]:
         """Dense gradients through :meth:`allreduce`; with ``sparse_as_dense=False``,
         IndexedSlices through an allgather of their slices, which keeps single-process
         semantics (docs/training-recipe.md, sparse gradients)."""
@@ -308,18 +334,21 @@ class TensorFlowEngine(Engine):
             i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
         if not sparse:
             return super().reduce_gradients(grads, variables, average=average, prescale=prescale,
-                                            postscale=postscale, compression=compression)
+                                            postscale=postscale, compression=compression,
+                                            group=group)
         dense = [i for i in range(len(grads)) if i not in sparse]
         result = list(grads)
         reduced = super().reduce_gradients(
             [grads[i] for i in dense], [variables[i] for i in dense], average=average,
-            prescale=prescale, postscale=postscale, compression=compression)
+            prescale=prescale, postscale=postscale, compression=compression, group=group)
         for i, value in zip(dense, reduced):
             result[i] = value
-        scale = reduction.scale_once(average, self.size, prescale, postscale)
+        size = tensorflow_collectives.members(self, group, "reduce_gradients").size
+        scale = reduction.scale_once(average, size, prescale, postscale)
         for i in sparse:
             result[i] = tensorflow_collectives.reduce_sparse(self, grads[i], scale=scale,
-                                                             compression=compression)
+                                                             compression=compression,
+                                                             group=group)
         return result
 
     def sum_in_step(self, tensors: Sequence[Any]) -> List[Any]:
@@ -356,7 +385,7 @@ class TensorFlowEngine(Engine):
             except (ValueError, TypeError, tf.errors.OpError):
                 return False
 
-    def broadcast_variables(self, variables, root_rank: int) -> None:
+    def broadcast_variables(self, variables, root_rank: int, group=None) -> None:
         import tensorflow as tf
         with tf.init_scope():  # host values even when called while a step is being traced
-            super().broadcast_variables(variables, root_rank)
+            super().broadcast_variables(variables, root_rank, group)

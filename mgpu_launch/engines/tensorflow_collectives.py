@@ -26,6 +26,12 @@ optimizer's update. Ranks must then feed batches of the same size at each step, 
 ``mgpu.data.shard`` does: ranks whose row counts fall in different buckets wait on different
 collectives, which the stall inspector reports.
 
+Process sets: every function takes ``group``, a registered process set
+(``mgpu_launch.runtime.process_sets.Group``; None: every rank). Its members form a TensorFlow
+collective group of their own (:func:`members`: group key ``1 + id``, the set's size), so two
+sets run their collectives at the same time; its instance keys are derived as the global
+ones, from signatures tagged with the set's id, and TensorFlow keeps them per group key.
+
 Dtypes: the gather takes float16/32/64 and int32/64 as they are; bfloat16 travels as its
 16 bits (bitcast), bool and 8/16-bit integers as int32. The broadcast is a sum of the root's
 value and zeros from everyone else (one CollectiveReduceV2, the cost of an allreduce,
@@ -34,7 +40,7 @@ whatever the number of ranks): values arrive exactly, except that a root's -0.0 
 
 import functools
 import zlib
-from typing import Any, List, Sequence
+from typing import Any, List, NamedTuple, Sequence
 
 import numpy as np
 
@@ -55,6 +61,39 @@ _MERGE_OPS = {"sum": "Add", "min": "Min", "max": "Max", "product": "Mul"}
 def _tf():
     import tensorflow as tf
     return tf
+
+
+class Members(NamedTuple):
+    """Who takes part in a collective: every rank, or one process set's members.
+
+    Attributes:
+        size: the collective group's size.
+        key: its TensorFlow group key (1: every rank; ``1 + id`` for process set ``id``).
+        comm: its MPI communicator (``MGPU_TF_TRANSPORT=mpi``).
+        rank: this process's position in the group.
+        tag: prefix of its instance keys' signatures ("" for every rank).
+        process_set_id: 0 for every rank.
+    """
+
+    size: int
+    key: int
+    comm: Any
+    rank: int
+    tag: str
+    process_set_id: int
+
+
+def members(engine, group=None, what: str = "collective") -> Members:
+    """The TensorFlow group of `group` (a runtime process-set Group; None or id 0: every rank).
+
+    Raises:
+        mgpu_launch.runtime.process_sets.NotInProcessSetError: this rank is not in `group`.
+    """
+    rank = runtime.state.rank
+    if group is None or group.process_set_id == 0:
+        return Members(engine.size, 1, engine.comm, rank, "", 0)
+    return Members(group.size, 1 + group.process_set_id, group.comm, group.index(rank, what),
+                   f"set{group.process_set_id}:", group.process_set_id)
 
 
 def _to_wire(tensor, allowed):
@@ -122,55 +161,57 @@ def _bucket_key_base(engine, signature: str) -> int:
     return _BUCKET_REGION + block * _BLOCK
 
 
-def _gather_equal(engine, tensor, key):
+def _gather_equal(engine, tensor, key, group: Members):
     tf = _tf()
     return tf.raw_ops.CollectiveGatherV2(
-        input=tensor, group_size=engine.size, group_key=1, instance_key=key,
+        input=tensor, group_size=group.size, group_key=group.key, instance_key=key,
         ordering_token=[engine._ordering_token.handle],
         communication_hint=engine.implementation, timeout_seconds=engine.timeout)
 
 
-def allgather_rows(engine, tensors: Sequence[Any]) -> List[Any]:
-    """Every rank's `tensors` concatenated along axis 0, in rank order.
+def allgather_rows(engine, tensors: Sequence[Any], group=None) -> List[Any]:
+    """Every rank's (every member's of `group`) `tensors` concatenated along axis 0, in rank
+    order.
 
     All `tensors` have the same number of rows on one rank (it may differ between ranks); their
     other dimensions and dtypes must agree across ranks. One gather of the row counts serves
     them all. Scalars count as one row.
     """
     tf = _tf()
+    group = members(engine, group, "allgather")
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     tensors = [tf.reshape(t, [1]) if t.shape.rank == 0 else t for t in tensors]
-    if engine.size == 1:
+    if group.size == 1:
         return [tf.identity(t) for t in tensors]
     if engine.transport == "mpi":
-        return [_mpi_allgather(engine, t) for t in tensors]
+        return [_mpi_allgather(group.comm, t) for t in tensors]
     _check_dynamic_ok("allgather")
     rows = tf.shape(tensors[0], out_type=tf.int64)[:1]
-    counts = _gather_equal(engine, rows, engine._instance_key_for(rows, kind="rows"))
+    counts = _gather_equal(engine, rows, engine._instance_key_for(rows, "rows", group), group)
     padded, bucket = _bucket(tf.reduce_max(counts))
     results = []
     for tensor in tensors:
         wire, back = _to_wire(tensor, _GATHERABLE)
         rest = wire.shape[1:]
-        signature = f"gather:{wire.dtype.name}:{rest.as_list()}"
+        signature = f"{group.tag}gather:{wire.dtype.name}:{rest.as_list()}"
         base = _bucket_key_base(engine, f"{signature}:{_position(engine, signature)}")
         key = tf.cast(base + bucket, tf.int32)
         pad = tf.concat([[padded - rows[0]], tf.zeros([rest.rank], tf.int64)], axis=0)
         wire = tf.pad(wire, tf.stack([tf.zeros_like(pad), pad], axis=1))
-        gathered = _gather_equal(engine, wire, key)
+        gathered = _gather_equal(engine, wire, key, group)
         gathered = tf.reshape(gathered, tf.concat(
-            [[engine.size, padded], tf.shape(wire, out_type=tf.int64)[1:]], axis=0))
+            [[group.size, padded], tf.shape(wire, out_type=tf.int64)[1:]], axis=0))
         kept = tf.boolean_mask(gathered, tf.sequence_mask(counts, padded))
         results.append(back(tf.ensure_shape(kept, [None] + rest.as_list())))
     return results
 
 
-def _elementwise(engine, tensor, on_host, in_graph):
+def _elementwise(engine, tensor, group: Members, on_host, in_graph):
     """The path broadcast and reduce share: identity on one rank, `on_host(tensor)` on the MPI
     transport, else `in_graph` on the tensor in a dtype the collectives take, cast back."""
     tf = _tf()
     tensor = tf.convert_to_tensor(tensor)
-    if engine.size == 1:
+    if group.size == 1:
         return tf.identity(tensor)
     if engine.transport == "mpi":
         return on_host(tensor)
@@ -179,19 +220,27 @@ def _elementwise(engine, tensor, on_host, in_graph):
     return back(in_graph(wire))
 
 
-def broadcast(engine, tensor, root_rank: int):
-    """Rank `root_rank`'s `tensor` on every rank (same shape and dtype everywhere)."""
+def broadcast(engine, tensor, root_rank: int, group=None):
+    """Rank `root_rank`'s `tensor` on every rank (of `group`; `root_rank` is a global rank,
+    one of its members); the same shape and dtype everywhere."""
+    root = root_rank if group is None else group.root_index(root_rank, "broadcast")
+    group = members(engine, group, "broadcast")
+
     def in_graph(wire):
         mine = wire if runtime.state.rank == root_rank else _tf().zeros_like(wire)
-        return engine.collective_reduce(mine, kind="bcast")
-    return _elementwise(engine, tensor, lambda t: _mpi_broadcast(engine, t, root_rank), in_graph)
+        return engine.collective_reduce(mine, kind="bcast", members=group)
+    return _elementwise(engine, tensor, group, lambda t: _mpi_broadcast(group.comm, t, root),
+                        in_graph)
 
 
-def reduce(engine, tensor, op: str):
-    """`tensor` combined over the ranks elementwise by `op`: "sum", "min", "max" or "product"."""
-    return _elementwise(engine, tensor, lambda t: _mpi_reduce(engine, t, op),
+def reduce(engine, tensor, op: str, group=None):
+    """`tensor` combined over the ranks (of `group`) elementwise by `op`: "sum", "min", "max"
+    or "product"."""
+    group = members(engine, group, op)
+    return _elementwise(engine, tensor, group, lambda t: _mpi_reduce(group.comm, t, op),
                         lambda wire: engine.collective_reduce(wire, kind=op,
-                                                              merge_op=_MERGE_OPS[op]))
+                                                              merge_op=_MERGE_OPS[op],
+                                                              members=group))
 
 
 def _in_xla() -> bool:
@@ -209,9 +258,9 @@ def _static_gather_wanted(engine) -> bool:
     return choice == "static" or _in_xla()
 
 
-def gather_static(engine, tensors: Sequence[Any]) -> List[Any]:
-    """Every rank's `tensors` side by side along axis 0, through fixed-size buffers only, so
-    that XLA can compile it (the module docstring says how).
+def gather_static(engine, tensors: Sequence[Any], group=None) -> List[Any]:
+    """Every rank's (every member's of `group`) `tensors` side by side along axis 0, through
+    fixed-size buffers only, so that XLA can compile it (the module docstring says how).
 
     All `tensors` have the same number of rows on this rank. Each result has ``size x padded``
     rows, rank r's at ``[r x padded, r x padded + rows)``, zeros after them (``padded``: the
@@ -224,7 +273,8 @@ def gather_static(engine, tensors: Sequence[Any]) -> List[Any]:
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     rows = tf.shape(tensors[0], out_type=tf.int64)[0]
     padded, bucket = _bucket(rows)
-    rank, size = runtime.state.rank, engine.size
+    group = members(engine, group, "allgather")
+    rank, size = group.rank, group.size
     xla = _in_xla()
     results = []
     for tensor in tensors:
@@ -236,7 +286,7 @@ def gather_static(engine, tensors: Sequence[Any]) -> List[Any]:
         else:
             wire, back = _to_wire(tensor, _REDUCIBLE)
         rest = wire.shape[1:]
-        signature = f"static-gather:{wire.dtype.name}:{rest.as_list()}"
+        signature = f"{group.tag}static-gather:{wire.dtype.name}:{rest.as_list()}"
         base = _bucket_key_base(engine, f"{signature}:{_position(engine, signature)}")
         # this rank's block, padded with zero rows, at its offset among size blocks of zeros
         before = tf.cast(rank, tf.int64) * padded
@@ -244,7 +294,7 @@ def gather_static(engine, tensors: Sequence[Any]) -> List[Any]:
         spans = tf.concat([[[before, after]], tf.zeros([rest.rank, 2], tf.int64)], axis=0)
         placed = tf.pad(wire, spans)
         summed = tf.raw_ops.CollectiveReduceV2(
-            input=placed, group_size=size, group_key=1,
+            input=placed, group_size=size, group_key=group.key,
             instance_key=tf.cast(base + bucket, tf.int32),
             ordering_token=[engine._ordering_token.handle], merge_op="Add", final_op="Id",
             communication_hint=engine.implementation, timeout_seconds=engine.timeout)
@@ -252,9 +302,10 @@ def gather_static(engine, tensors: Sequence[Any]) -> List[Any]:
     return results
 
 
-def reduce_sparse(engine, gradient, *, scale: float, compression=None):
-    """An ``IndexedSlices`` gradient summed over the ranks the way one process would hold it:
-    every rank's slices side by side (values and indices gathered, values times `scale`).
+def reduce_sparse(engine, gradient, *, scale: float, compression=None, group=None):
+    """An ``IndexedSlices`` gradient summed over the ranks (of `group`) the way one process
+    would hold it: every rank's slices side by side (values and indices gathered, values times
+    `scale`).
 
     The inner optimizer then sees what a single process with the ranks' batches together
     would: Adam squares each slice before summing duplicates, so summing first (densifying)
@@ -264,11 +315,11 @@ def reduce_sparse(engine, gradient, *, scale: float, compression=None):
     tf = _tf()
     values = gradient.values
     wire = compression.compress(values) if compression else values
-    if engine.size > 1 and _static_gather_wanted(engine):
+    if members(engine, group).size > 1 and _static_gather_wanted(engine):
         # zero-valued padding rows at index 0: nothing added to any row's update
-        gathered, indices = gather_static(engine, [wire, gradient.indices])
+        gathered, indices = gather_static(engine, [wire, gradient.indices], group)
     else:
-        gathered, indices = allgather_rows(engine, [wire, gradient.indices])
+        gathered, indices = allgather_rows(engine, [wire, gradient.indices], group)
     if compression:
         gathered = compression.decompress(gathered, values.dtype)
     if scale != 1.0:
@@ -284,8 +335,7 @@ def _host_call(function, tensor, dtype, shape):
     return result
 
 
-def _mpi_allgather(engine, tensor):
-    comm = engine.comm
+def _mpi_allgather(comm, tensor):
 
     def gather(array):
         array = np.ascontiguousarray(array)
@@ -299,8 +349,7 @@ def _mpi_allgather(engine, tensor):
     return _host_call(gather, tensor, tensor.dtype, [None] + tensor.shape[1:].as_list())
 
 
-def _mpi_broadcast(engine, tensor, root_rank):
-    comm = engine.comm
+def _mpi_broadcast(comm, tensor, root_rank):
 
     def bcast(array):
         out = np.ascontiguousarray(array).copy()
@@ -310,9 +359,8 @@ def _mpi_broadcast(engine, tensor, root_rank):
     return _host_call(bcast, tensor, tensor.dtype, tensor.shape)
 
 
-def _mpi_reduce(engine, tensor, op):
+def _mpi_reduce(comm, tensor, op):
     from mpi4py import MPI
-    comm = engine.comm
     mpi_op = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "product": MPI.PROD}[op]
 
     def host_reduce(array):

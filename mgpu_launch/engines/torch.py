@@ -14,6 +14,12 @@ can connect), rank 0 serves torch's TCPStore there, bound to that address only, 
 ``torch.distributed.init_process_group`` starts NCCL on GPU (the launcher has pinned one GPU
 per process with CUDA_VISIBLE_DEVICES) or gloo on CPU.
 
+Process sets (``mgpu_launch.runtime.process_sets``): every set registered gets a
+``torch.distributed.new_group`` of its ranks, on every rank in registration order (torch
+requires every rank to create every group); ``allreduce`` / ``reduce_gradients`` with a set's
+group reduce over it. A DistributedOptimizer with a process set reduces in ``apply`` (one
+fused allreduce per dtype), without the backward hooks.
+
 Keras >= 3.16 wraps the model in ``DistributedDataParallel`` by itself when torch.distributed
 is initialized (``TorchTrainer._initialize_ddp``): gradients would then be reduced twice (once
 by DDP, once here) and BatchNorm buffers broadcast from rank 0 every step.
@@ -27,6 +33,7 @@ import sys
 from typing import Any, List, Optional, Sequence
 
 from mgpu_launch.engines import Engine, reduction
+from mgpu_launch.runtime import process_sets
 from mgpu_launch.runtime.rendezvous import (host_and_port, interface_of, job_host_address,
                                             listen, rendezvous_address)
 from mgpu_launcher import settings
@@ -68,6 +75,7 @@ class TorchEngine(Engine):
         #: bytes per gradient bucket (DDP's bucket_cap_mb)
         self.fusion_bytes = int(settings.number("MGPU_FUSION_MB", fallback=25.0) * 2 ** 20)
         self._watched: Optional["GradientBuckets"] = None
+        self._groups = {}  # process set id -> its torch.distributed group (None: not a member)
 
     # -- set-up -------------------------------------------------------------------------------
     def setup(self, state) -> None:
@@ -100,6 +108,29 @@ class TorchEngine(Engine):
         # the MPI job inside that hook, so the captured traceback would never be printed.
         sys.excepthook = ours
         self.initialized = True
+        process_sets.add_listener(self._set_added, self._set_removed)
+
+    def _set_added(self, group) -> None:
+        """A process set registered (on every rank): its torch group, made by every rank."""
+        import torch.distributed as dist
+        made = dist.new_group(ranks=list(group.ranks))
+        self._groups[group.process_set_id] = made if group.comm is not None else None
+
+    def _set_removed(self, group) -> None:
+        import torch.distributed as dist
+        made = self._groups.pop(group.process_set_id, None)
+        if made is not None and dist.is_initialized():
+            dist.destroy_process_group(made)
+
+    def supports_process_sets(self) -> bool:
+        return True
+
+    def _torch_group(self, group, what: str):
+        """The torch.distributed group of process set `group` (None: the default group)."""
+        if group is None or group.process_set_id == 0:
+            return None
+        process_sets.group_of(group, what)  # raises on a rank outside it
+        return self._groups[group.process_set_id]
 
     # -- feeding --------------------------------------------------------------------------------
     def computes_on_accelerator(self) -> bool:
@@ -123,6 +154,8 @@ class TorchEngine(Engine):
         return torch_graph.GraphedTrainStep(model, function, is_chief=runtime.state.rank == 0)
 
     def shutdown(self) -> None:
+        process_sets.remove_listener(self._set_added, self._set_removed)
+        self._groups.clear()  # destroy_process_group() below ends them all
         if self._watched is not None:
             self._watched.remove()
             self._watched = None
@@ -137,9 +170,12 @@ class TorchEngine(Engine):
 
     # -- reductions -------------------------------------------------------------------------------
     def allreduce(self, tensors: Sequence[Any], *, average: bool, prescale: float = 1.0,
-                  postscale: float = 1.0, compression=None) -> List[Any]:
-        """Synchronous fused allreduce (one buffer per dtype), for gradients not watched."""
-        reducer = Reduction(self.size, average, prescale, postscale, compression)
+                  postscale: float = 1.0, compression=None, group=None) -> List[Any]:
+        """Synchronous fused allreduce (one buffer per dtype), for gradients not watched;
+        within process set `group` when given."""
+        size = self.size if group is None else group.size
+        reducer = Reduction(size, average, prescale, postscale, compression,
+                            self._torch_group(group, "allreduce"))
         result: List[Any] = [None] * len(tensors)
         for bucket in reduction.plan(_specs(tensors)):
             chosen = [tensors[i] for i in bucket.indices]
@@ -181,7 +217,8 @@ class TorchEngine(Engine):
 
     def reduce_gradients(self, grads, variables, **options) -> List[Any]:
         watched = self._watched
-        if watched is not None and watched.covers(variables):
+        within_a_set = getattr(options.get("group"), "process_set_id", 0)
+        if watched is not None and not within_a_set and watched.covers(variables):
             return watched.finish(grads)
         return super().reduce_gradients(grads, variables, **options)
 
@@ -221,9 +258,10 @@ class Reduction:
     """How one flat buffer is reduced: scale, compress, sum across ranks, undo (the factors
     and the buckets come from mgpu_launch.engines.reduction)."""
 
-    def __init__(self, size, average, prescale, postscale, compression):
+    def __init__(self, size, average, prescale, postscale, compression, group=None):
         self.prescale, self.scale = reduction.scales(average, size, prescale, postscale)
         self.compression = compression
+        self.group = group  # a torch.distributed group (a process set's), None: every rank
 
     def launch(self, tensors, like):
         import torch
@@ -234,7 +272,7 @@ class Reduction:
         if self.prescale != 1.0:
             flat.mul_(self.prescale)
         wire = self.compression.compress(flat) if self.compression else flat
-        return wire, dist.all_reduce(wire, async_op=True)
+        return wire, dist.all_reduce(wire, group=self.group, async_op=True)
 
     def finish(self, wire, work, like, bucket: reduction.Bucket) -> List[Any]:
         """The bucket's results, shaped like `like` (its tensors, in bucket order)."""

@@ -6,8 +6,9 @@ names behind them live here, each a thin layer over the runtime, the engines and
 glue below. docs/horovod-migration.md lists every difference. Its modules:
 
     support          what both namespaces share: the build queries, the reduction ops, the
-                     global process set, and HorovodNotSupported for what is not provided
+                     process sets, and HorovodNotSupported for what is not provided
     keras_api        the ``horovod.tensorflow.keras`` names
+    keras_values     their collectives on values (host, or in-graph in a ``tf.function``)
     keras_callbacks  Horovod's callback names and arguments over ``mgpu_launch.callbacks``
     tensorflow_api   the ``horovod.tensorflow`` names
     tensorflow_ops   in-graph TensorFlow collectives (inside a ``tf.function``)

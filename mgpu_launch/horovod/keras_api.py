@@ -27,7 +27,11 @@ own runtime, optimizer and callbacks. Differences, all listed in docs/horovod-mi
   rollback).
 - ``start_timeline`` / ``stop_timeline`` record mgpu's timeline (every rank's step phases
   and host collectives, ``mgpu_launch.runtime.timeline``), not Horovod's per-tensor one.
-- Not provided: Adasum, process sets other than the global one, explicit gradient groups.
+- Process sets (``ProcessSet``, ``init(process_sets=...)``, ``add_process_set``): registered
+  by lists of ranks, not MPI communicators. ``allreduce``, ``allgather``, ``broadcast``,
+  ``reducescatter`` and ``broadcast_object`` take ``process_set=`` here too (Horovod's Keras
+  namespace has it on ``DistributedOptimizer`` only).
+- Not provided: Adasum, explicit gradient groups.
   Every such name raises ``HorovodNotSupported`` (an
   AttributeError) saying what to do instead (``mgpu_launch.horovod.support``); refused arguments a
   ValueError.
@@ -38,16 +42,18 @@ import shlex
 import sys
 
 import keras
-import numpy as np
 
 from mgpu_launch import engines, keras_internals, runtime
-from mgpu_launch.horovod import elastic, keras_callbacks as callbacks, support, tensorflow_ops
-from mgpu_launch.horovod.support import (Adasum, Average, Sum, ccl_built, cuda_built, ddl_built,
-                                         global_process_set, gloo_built, gloo_enabled, mpi_built,
-                                         mpi_enabled, mpi_threads_supported, nccl_built,
+from mgpu_launch.horovod import elastic, keras_callbacks as callbacks, support
+from mgpu_launch.horovod.keras_values import (allgather, allreduce, broadcast, broadcast_object,
+                                              reducescatter)
+from mgpu_launch.horovod.support import (Adasum, Average, ProcessSet, Sum, add_process_set,
+                                         ccl_built, cuda_built, ddl_built, global_process_set,
+                                         gloo_built, gloo_enabled, mpi_built, mpi_enabled,
+                                         mpi_threads_supported, nccl_built, remove_process_set,
                                          rocm_built)
-from mgpu_launch.runtime import (collectives, cross_rank, cross_size, is_initialized,
-                                 launch as _launch, local_rank, local_size, rank, shutdown, size)
+from mgpu_launch.runtime import (cross_rank, cross_size, is_initialized, launch as _launch,
+                                 local_rank, local_size, rank, shutdown, size)
 from mgpu_launch.runtime.compression import Compression
 from mgpu_launch.training import optimizer as _optimizer, patches, saving
 from mgpu_launch.training.callbacks import model_state_variables
@@ -82,10 +88,13 @@ def init(comm=None, process_sets=None) -> None:
     Args:
         comm: must be None: the job is every process the launcher started (Horovod accepted an
             MPI communicator or a list of ranks here).
-        process_sets: must be None (only the global process set is supported).
+        process_sets: None, a list of ``hvd.ProcessSet`` to register (the same on every
+            rank), or ``"dynamic"`` (also ``HOROVOD_DYNAMIC_PROCESS_SETS=1``): sets added
+            later with ``hvd.add_process_set``.
 
     Raises:
-        ValueError: `comm` or `process_sets` was given.
+        ValueError: `comm` was given, or `process_sets` is not one of those.
+        mgpu.MismatchError: the ranks passed different `process_sets`.
 
     Example:
         >>> import mgpu_launch.keras as hvd
@@ -93,111 +102,13 @@ def init(comm=None, process_sets=None) -> None:
         >>> hvd.rank(), hvd.size()
         (0, 2)
     """
-    if comm is not None:
-        _reject("comm", comm, "the job is every process the launcher started. Call hvd.init() "
-                "and start the processes you want with mgpu-train -np N.")
-    if process_sets is not None:
-        _reject("process_sets", process_sets, "only the global process set exists. Call "
-                "hvd.init() without it.")
-    runtime.init()
+    support.init_runtime(_NAME, comm, process_sets)
     # Horovod scripts pass compile(experimental_run_tf_function=False), a Keras 2 argument.
     patches.install_horovod_compile()
     patches.install_callable_optimizer_variables()  # and call opt.variables()
 
 
-# -- collectives on values -----------------------------------------------------------------------
-def _host(value) -> np.ndarray:
-    # Through a backend tensor first, so Python numbers get Keras's dtypes (float32, int32) as
-    # they would under Horovod's tf.constant.
-    return np.asarray(keras.ops.convert_to_numpy(keras.ops.convert_to_tensor(value)))
-
-
-def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0,
-              op=None, compression=Compression.none):
-    """Average (or sum) `value` over all processes: on the host when called eagerly, as
-    TensorFlow's in-graph collective inside a ``tf.function``.
-
-    Args:
-        value: a tensor, numpy array or number; the same shape and dtype on every rank.
-        name: ignored (Horovod's op name).
-        average: Horovod's deprecated flag: True is ``op=Average``, False is ``op=Sum``.
-        prescale_factor: multiply `value` by this before the reduction.
-        postscale_factor: multiply the result by this after it.
-        op: ``hvd.Average`` (default) or ``hvd.Sum``.
-        compression: the wire dtype inside a ``tf.function``; host collectives (eager)
-            always send full precision.
-
-    Returns:
-        The reduced value as a tensor of the Keras backend.
-
-    Raises:
-        ValueError: both `average` and `op` given, or ``op=hvd.Adasum``.
-        mgpu.MismatchError: ranks passed different shapes or dtypes.
-
-    Example:
-        >>> hvd.allreduce(float(val_loss))          # mean over the ranks
-    """
-    if _in_graph():
-        return tensorflow_ops.allreduce(value, average=average, op=op, compression=compression,
-                                        prescale_factor=prescale_factor,
-                                        postscale_factor=postscale_factor)
-    op = support.check_op(_NAME, op, average)
-    Compression.get(compression)
-    array = _host(value)
-    if prescale_factor != 1.0:
-        array = array * prescale_factor
-    result = collectives.allreduce(array, op=op)
-    if postscale_factor != 1.0:
-        result = result * postscale_factor
-    return keras.ops.convert_to_tensor(result)
-
-
-def _in_graph() -> bool:
-    """Inside a tf.function (TensorFlow backend): the values have no host copy."""
-    return runtime.is_initialized() and engines.get_engine_or_default().tracing()
-
-
-def allgather(value, name=None):
-    """Every rank's `value` concatenated along the first axis (ragged), as a backend tensor
-    (in-graph inside a ``tf.function``).
-
-    Example:
-        >>> hvd.allgather(np.array([hvd.rank()]))   # [0, 1] on 2 processes
-    """
-    if _in_graph():
-        return tensorflow_ops.allgather(value)
-    return keras.ops.convert_to_tensor(collectives.allgather(_host(value)))
-
-
-def broadcast(value, root_rank, name=None):
-    """Rank `root_rank`'s `value` (same shape and dtype on every rank), as a backend tensor
-    (in-graph inside a ``tf.function``).
-
-    Example:
-        >>> seed = hvd.broadcast(np.random.randint(1 << 30), root_rank=0)
-    """
-    if _in_graph():
-        return tensorflow_ops.broadcast(value, root_rank)
-    return keras.ops.convert_to_tensor(collectives.broadcast(_host(value), root_rank))
-
-
-def reducescatter(value, name=None, op=Average):
-    """`value` averaged (or summed) over the ranks, and this rank's rows of the result: the
-    first ``n % size`` ranks get ``n // size + 1`` rows, the others ``n // size`` (Horovod's
-    split). An allreduce followed by a slice (in-graph inside a ``tf.function``).
-
-    Example:
-        >>> hvd.reducescatter(np.ones((4, 3)), op=hvd.Sum)   # 2 ranks: rows of 2.0, 2 each
-    """
-    if _in_graph():
-        return tensorflow_ops.reducescatter(value, op=_check_op(op))
-    reduced = collectives.allreduce(_host(value), op=support.check_op(_NAME, op))
-    rows, ranks, me = reduced.shape[0], runtime.size(), runtime.rank()
-    start = me * (rows // ranks) + min(me, rows % ranks)
-    return keras.ops.convert_to_tensor(
-        reduced[start:start + rows // ranks + (1 if me < rows % ranks else 0)])
-
-
+# -- collectives on values: mgpu_launch.horovod.keras_values (allreduce, allgather, ...) -----
 def broadcast_global_variables(root_rank):
     """Every live Keras model's weights and optimizer state get rank `root_rank`'s values.
 
@@ -232,15 +143,6 @@ def broadcast_global_variables(root_rank):
         engines.get_engine().broadcast_variables(variables, root_rank)
 
 
-def broadcast_object(obj, root_rank=0, name=None):
-    """Rank `root_rank`'s picklable Python object, on every rank.
-
-    Example:
-        >>> start_epoch = hvd.broadcast_object(start_epoch, root_rank=0)
-    """
-    return collectives.broadcast_object(obj, root_rank)
-
-
 # -- optimizer and model -------------------------------------------------------------------------
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
                          compression=Compression.none, sparse_as_dense=False,
@@ -261,9 +163,13 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
             launcher.
         num_groups, groups: must be 0 / None: gradients are fused into buffers by the engine
             (``MGPU_FUSION_MB``), not by explicit groups.
-        process_set: must be the global process set.
+        process_set: ``hvd.global_process_set`` (default) or a registered ``hvd.ProcessSet``:
+            the gradients are reduced over its members only; on a rank outside it they stay
+            local (Horovod's). Its first rank's weights go to the other members at the first
+            step. Needs an engine with process sets (TensorFlow, torch).
         scale_local_gradients: divide the gradients of variables registered with the
-            optimizer's ``register_local_var`` by ``size()`` (Horovod's default, True).
+            optimizer's ``register_local_var`` by ``size()`` (the set's size; Horovod's
+            default, True).
 
     Returns:
         An ``mgpu.DistributedOptimizer``, a ``keras.optimizers.Optimizer``.
@@ -279,15 +185,15 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         argument = "num_groups" if num_groups else "groups"
         _reject(argument, num_groups or groups, f"the engine fuses gradients into buffers of "
                 f"MGPU_FUSION_MB megabytes. Remove {argument} (or set MGPU_FUSION_MB).")
-    if process_set is not None and process_set is not global_process_set:
-        _reject("process_set", process_set, "gradients are always reduced over every process "
-                "of the job. Leave process_set out (or pass hvd.global_process_set).")
+    if process_set is not None and not isinstance(process_set, ProcessSet):
+        _reject("process_set", process_set, "pass hvd.global_process_set or an hvd.ProcessSet "
+                "registered with hvd.init(process_sets=[...]) or hvd.add_process_set.")
     distributed = _optimizer.DistributedOptimizer(
         optimizer, compression=compression, op=_check_op(op),
         backward_passes_per_step=backward_passes_per_step,
         average_aggregated_gradients=average_aggregated_gradients,
         gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
-        iterations_count="passes", name=name)
+        iterations_count="passes", process_set=process_set, name=name)
     distributed.scale_local_gradients = bool(scale_local_gradients)
     return distributed
 
@@ -392,7 +298,7 @@ __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_rank", "local_size",
     "cross_rank", "cross_size", "allreduce", "allgather", "broadcast", "broadcast_object",
     "DistributedOptimizer", "PartialDistributedOptimizer", "load_model", "Compression",
-    "Average", "Sum", "Adasum", "global_process_set", "callbacks", "run", "reducescatter",
+    "Average", "Sum", "Adasum", *support.PROCESS_SET_NAMES, "callbacks", "run", "reducescatter",
     "broadcast_global_variables", *support.QUERIES, "SyncBatchNormalization",
     "start_timeline", "stop_timeline",
 ]

@@ -1,7 +1,8 @@
 """What Horovod's two TensorFlow namespaces share here (``mgpu_launch.keras`` for
 ``horovod.tensorflow.keras``, ``mgpu_launch.tensorflow`` for ``horovod.tensorflow``): the
-global process set, the build queries, the reduction ops, and the one way a Horovod name or
-argument that is not provided fails.
+process sets (``mgpu_launch.runtime.process_sets``) and Horovod's switch for dynamic ones,
+the build queries, the reduction ops, and the one way a Horovod name or argument that is not
+provided fails.
 
 Every Horovod name this project does not provide raises :class:`HorovodNotSupported` (an
 ``AttributeError``, so ``hasattr`` stays False) from the namespace's ``__getattr__``, with
@@ -9,21 +10,22 @@ the reason and what to use instead; every Horovod argument that cannot be honour
 ``ValueError`` through :func:`reject`. docs/horovod-migration.md lists both.
 """
 
+import os
 from typing import Dict, List
 
 from mgpu_launch import engines, runtime
-from mgpu_launch.runtime import collectives, timeline
+from mgpu_launch.runtime import collectives, process_sets, timeline
 from mgpu_launch.runtime.collectives import Average, Max, Min, Product, Sum
+from mgpu_launch.runtime.process_sets import (ProcessSet, add_process_set, global_process_set,
+                                              remove_process_set)
+from mgpu_launcher import settings
 
 #: Horovod's Adasum reduction. Not implemented here: passing it raises ValueError.
 Adasum = "adasum"
 
 #: Horovod names neither namespace provides -> why, and what to use instead.
-NOT_PROVIDED: Dict[str, str] = {
-    "ProcessSet": "only the global process set exists: run a separate job per group",
-    "add_process_set": "only the global process set exists: run a separate job per group",
-    "remove_process_set": "only the global process set exists: there is nothing to remove",
-}
+NOT_PROVIDED: Dict[str, str] = {}
+PROCESS_SET_NAMES = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set"]
 
 
 class HorovodNotSupported(AttributeError):
@@ -63,35 +65,50 @@ def check_op(namespace: str, op, average=None):
     return collectives.ReduceOp(op) if isinstance(op, str) else op
 
 
-class GlobalProcessSet:
-    """Horovod's ``hvd.global_process_set``: every process of the job (the only set here)."""
+def init_runtime(namespace: str, comm, process_sets) -> None:
+    """``hvd.init(comm, process_sets)``: ``mgpu.init(process_sets)``, with Horovod's switch.
 
-    process_set_id = 0
-
-    @property
-    def ranks(self) -> List[int]:
-        return list(range(runtime.size()))
-
-    def size(self) -> int:
-        return runtime.size()
-
-    def rank(self) -> int:
-        return runtime.rank()
-
-    def included(self) -> bool:
-        return True
-
-    def __repr__(self):
-        return "ProcessSet(process_set_id=0, ranks=all)"
+    ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` in the environment allows ``add_process_set`` later, as
+    ``MGPU_DYNAMIC_PROCESS_SETS=1`` does (which wins when both are set).
+    """
+    if comm is not None:
+        reject(namespace, "comm", comm, "the job is every process the launcher started. Call "
+               "hvd.init() and start the processes with mgpu-train -np N; for groups of "
+               "processes, pass process_sets=[hvd.ProcessSet(ranks), ...].")
+    if isinstance(process_sets, ProcessSet):
+        reject(namespace, "process_sets", process_sets, "pass a list of process sets, "
+               "e.g. process_sets=[hvd.ProcessSet([0, 2])], or 'dynamic'.")
+    horovod = os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "").strip().lower()
+    if horovod in ("1", "true", "yes", "on") and not settings.is_set("MGPU_DYNAMIC_PROCESS_SETS"):
+        # Horovod's variable, read once here: the runtime reads only MGPU_* variables
+        os.environ["MGPU_DYNAMIC_PROCESS_SETS"] = "1"
+    runtime.init(process_sets=process_sets)
 
 
-global_process_set = GlobalProcessSet()
+def process_set_group(namespace: str, process_set, what: str, engine_needed: bool = False,
+                      member: bool = True):
+    """The registered group of Horovod's `process_set` argument (None: every rank).
 
+    Args:
+        namespace: the public path, for the message.
+        process_set: ``hvd.global_process_set``, a registered ``hvd.ProcessSet`` or None.
+        what: the calling function, for the message.
+        engine_needed: the call reduces through the backend's engine (in-graph collectives,
+            gradients): a backend whose engine has no process sets refuses other sets.
+        member: require this rank to be in the set.
 
-def check_process_set(namespace: str, process_set) -> None:
-    if process_set is not None and process_set is not global_process_set:
-        reject(namespace, "process_set", process_set, "collectives always span every process "
-               "of the job. Leave process_set out (or pass hvd.global_process_set).")
+    Raises:
+        ValueError: `process_set` is no registered set, or the engine cannot use it.
+        mgpu_launch.runtime.process_sets.NotInProcessSetError: this rank is not in it.
+    """
+    group = process_sets.group_of(process_set, what, member)
+    if engine_needed and group.process_set_id and runtime.is_multi_process():
+        engine = engines.get_engine()
+        if not engine.supports_process_sets():
+            reject(namespace, "process_set", process_set, f"the {engine.name} engine reduces "
+                   f"over every process of the job only ({engine.process_sets_reason()}). "
+                   f"Use the host collectives, or the TensorFlow backend.")
+    return group
 
 
 def timeline_functions(namespace: str):
@@ -191,8 +208,9 @@ def ccl_built() -> bool:
 QUERIES = ["mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled",
            "nccl_built", "cuda_built", "rocm_built", "ddl_built", "ccl_built"]
 OPS = ["Average", "Sum", "Min", "Max", "Product", "Adasum"]
-__all__ = QUERIES + OPS + ["HorovodNotSupported", "timeline_functions", "global_process_set", "namespace_getattr",
-                           "reject", "check_op", "check_process_set", "NOT_PROVIDED"]
+__all__ = QUERIES + OPS + PROCESS_SET_NAMES + [
+    "HorovodNotSupported", "timeline_functions", "namespace_getattr", "reject", "check_op",
+    "init_runtime", "process_set_group", "NOT_PROVIDED"]
 
 
 def local_layer_weights(local_layers) -> List:

@@ -24,10 +24,11 @@ other ranks). TensorFlow backend only: ``KERAS_BACKEND`` must be ``tensorflow`` 
 
 Differences from Horovod (all in docs/horovod-migration.md): ``DistributedGradientTape``
 wraps the tape instead of generating a subclass; ``reducescatter`` and ``alltoall`` are an
-allreduce / allgather followed by a slice (correct, more traffic); process sets other than
-the global one, Adasum and TF1 session hooks are not provided. ``hvd.elastic``
-(``TensorFlowKerasState``, ``TensorFlowState``, ``ObjectState``, ``run``) is restart-based: a
-commit is also written to disk (``mgpu_launch.horovod.tensorflow_elastic``); ``start_timeline``
+allreduce / allgather followed by a slice (correct, more traffic); process sets are
+registered by lists of ranks (not MPI communicators); Adasum and TF1 session hooks are not
+provided. ``hvd.elastic`` (``TensorFlowKerasState``, ``TensorFlowState``, ``ObjectState``,
+``run``) is restart-based: a commit is also written to disk
+(``mgpu_launch.horovod.tensorflow_elastic``); ``start_timeline``
 records mgpu's timeline of step phases and host collectives, not Horovod's per-tensor one.
 """
 
@@ -35,15 +36,16 @@ import sys
 
 from mgpu_launch import runtime
 from mgpu_launch.horovod import support, tensorflow_elastic as elastic
-from mgpu_launch.horovod.support import (Adasum, Average, Max, Min, Product, Sum, ccl_built,
-                                         cuda_built, ddl_built, global_process_set, gloo_built,
-                                         gloo_enabled, mpi_built, mpi_enabled,
-                                         mpi_threads_supported, nccl_built, rocm_built)
+from mgpu_launch.horovod.support import (Adasum, Average, Max, Min, Product, ProcessSet, Sum,
+                                         add_process_set, ccl_built, cuda_built, ddl_built,
+                                         global_process_set, gloo_built, gloo_enabled, mpi_built,
+                                         mpi_enabled, mpi_threads_supported, nccl_built,
+                                         remove_process_set, rocm_built)
 from mgpu_launch.horovod.tensorflow_ops import (allgather, allreduce, alltoall, broadcast,
                                                 broadcast_, grouped_allgather, grouped_allreduce,
                                                 grouped_reducescatter, reducescatter)
 from mgpu_launch.runtime import (collectives, cross_rank, cross_size, is_initialized, local_rank,
-                                 local_size, rank, shutdown, size)
+                                 local_size, process_sets, rank, shutdown, size)
 from mgpu_launch.runtime.compression import Compression
 from mgpu_launch.training import patches
 from mgpu_launch.training.layers import SyncBatchNormalization
@@ -77,28 +79,26 @@ def init(comm=None, process_sets=None) -> None:
 
     Args:
         comm: must be None (the job is every process the launcher started).
-        process_sets: must be None (only the global process set exists).
+        process_sets: None, a list of ``hvd.ProcessSet`` to register (the same on every
+            rank), or ``"dynamic"`` (also ``HOROVOD_DYNAMIC_PROCESS_SETS=1``): sets added
+            later with ``hvd.add_process_set``.
 
     Raises:
-        ValueError: `comm` or `process_sets` given, or the Keras backend is not TensorFlow.
+        ValueError: `comm` given, bad `process_sets`, or the Keras backend is not TensorFlow.
+        mgpu.MismatchError: the ranks passed different `process_sets`.
 
     Example:
         >>> import mgpu_launch.tensorflow as hvd
-        >>> hvd.init()
+        >>> even, odd = hvd.ProcessSet([0, 2]), hvd.ProcessSet([1, 3])
+        >>> hvd.init(process_sets=[even, odd])
     """
     global _homogeneous
-    if comm is not None:
-        support.reject(_NAME, "comm", comm, "the job is every process the launcher started. "
-                        "Call hvd.init() and start the processes with mgpu-train -np N.")
-    if process_sets is not None:
-        support.reject(_NAME, "process_sets", process_sets, "only the global process set "
-                        "exists. Call hvd.init() without it.")
     import keras
     if keras.backend.backend() != "tensorflow":
         raise ValueError(f"mgpu_launch.tensorflow needs the TensorFlow backend, but "
                          f"KERAS_BACKEND is {keras.backend.backend()!r}. Unset it or set "
                          f"KERAS_BACKEND=tensorflow (mgpu_launch.keras works on every backend).")
-    runtime.init()
+    support.init_runtime(_NAME, comm, process_sets)
     patches.install_callable_optimizer_variables()
     everyone = collectives.allgather_object(runtime.local_size())
     _homogeneous = len(set(everyone)) == 1
@@ -125,9 +125,18 @@ def local_rank_op(name=None):
     return _constant(local_rank())
 
 
+def _registered(process_set_id: int):
+    for group in process_sets.registered():
+        if group.process_set_id == process_set_id:
+            return group
+    raise ValueError(f"process_set_id={process_set_id} is not a registered process set: pass "
+                     f"a ProcessSet's process_set_id (0: every rank)")
+
+
 def size_op(process_set_id=0, name=None):
-    """``size()`` as an int32 tensor."""
-    return _constant(size())
+    """The size of process set `process_set_id` (0, default: ``size()``) as an int32 tensor."""
+    runtime.state.require()
+    return _constant(_registered(int(process_set_id)).size)
 
 
 def local_size_op(name=None):
@@ -136,26 +145,28 @@ def local_size_op(name=None):
 
 
 def process_set_included_op(process_set_id=0, name=None):
-    """1 (this process is in the global process set, the only one)."""
-    return _constant(1)
+    """1 if this process is in process set `process_set_id` (0: every rank), else 0, as an
+    int32 tensor (a constant: sets change only through add / remove_process_set)."""
+    runtime.state.require()
+    return _constant(int(rank() in _registered(int(process_set_id)).ranks))
 
 
 def barrier(process_set=global_process_set):
-    """Wait until every rank has reached this call (on the host: not inside a tf.function)."""
-    support.check_process_set(_NAME, process_set)
-    collectives.barrier()
+    """Wait until every rank (of `process_set`) has reached this call (on the host: not inside
+    a tf.function)."""
+    collectives.barrier(process_set=process_set)
 
 
 def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=global_process_set):
-    """Rank `root_rank`'s picklable object, on every rank (on the host)."""
-    support.check_process_set(_NAME, process_set)
-    return collectives.broadcast_object(obj, root_rank)
+    """Rank `root_rank`'s picklable object, on every rank of `process_set` (on the host;
+    `root_rank` is a global rank)."""
+    return collectives.broadcast_object(obj, root_rank, process_set=process_set)
 
 
 def allgather_object(obj, session=None, name=None, process_set=global_process_set):
-    """Every rank's picklable object, as a list in rank order (on the host)."""
-    support.check_process_set(_NAME, process_set)
-    return collectives.allgather_object(obj)
+    """Every rank's (of `process_set`) picklable object, as a list in rank order (on the
+    host)."""
+    return collectives.allgather_object(obj, process_set=process_set)
 
 
 def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False):
@@ -164,15 +175,15 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set, in
 
     Args:
         variables: tf / Keras variables, the same shapes and dtypes on every rank.
-        root_rank: the rank whose values everyone gets.
-        process_set: must be the global process set.
+        root_rank: the (global) rank whose values everyone gets.
+        process_set: ``hvd.global_process_set`` (default) or a registered ``hvd.ProcessSet``
+            holding `root_rank`: only its members call this.
         inplace: accepted (Horovod's memory option); the assignment is in place either way.
 
     Example:
         >>> hvd.broadcast_variables(model.variables, root_rank=0)
     """
-    support.check_process_set(_NAME, process_set)
-    broadcast_(list(variables), root_rank)
+    broadcast_(list(variables), root_rank, process_set=process_set)
 
 
 def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="",
@@ -207,6 +218,6 @@ __all__ = [
     "grouped_reducescatter", "alltoall", "broadcast_variables", "broadcast_object",
     "allgather_object", "DistributedGradientTape", "PartialDistributedGradientTape",
     "DistributedOptimizer", "SyncBatchNormalization", "Compression", "Average", "Sum", "Min",
-    "Max", "Product", "Adasum", "elastic",
-    "global_process_set", *support.QUERIES, "start_timeline", "stop_timeline",
+    "Max", "Product", "Adasum", "elastic", *support.PROCESS_SET_NAMES, *support.QUERIES,
+    "start_timeline", "stop_timeline",
 ]

@@ -5,6 +5,12 @@ arguments), also used by ``mgpu_launch.keras`` inside a ``tf.function``. They ca
 TensorFlow engine's collectives (``mgpu_launch.engines.tensorflow``): sums and averages fused
 per dtype (``CollectiveReduceV2``), min / max / product, a ragged allgather, a broadcast.
 On one process each returns its input (scaled where asked).
+
+``process_set=``: a registered ``hvd.ProcessSet`` runs the collective among its members, as
+a TensorFlow collective group of their own (``mgpu_launch.engines.tensorflow_collectives``);
+``root_rank`` stays a global rank, averages divide by the set's size, and reducescatter /
+alltoall split by the members' positions in the set. A rank outside the set gets
+``NotInProcessSetError`` (a ValueError) when it calls (or traces) the op.
 """
 
 from typing import List
@@ -15,7 +21,7 @@ from keras import ops
 
 from mgpu_launch import engines, runtime
 from mgpu_launch.horovod import support
-from mgpu_launch.horovod.support import global_process_set
+from mgpu_launch.horovod.support import global_process_set, process_set_group
 from mgpu_launch.runtime.collectives import Average, Max, Min, Product
 from mgpu_launch.runtime.compression import Compression
 
@@ -39,10 +45,17 @@ def _scaled(tensor, factor: float):
     return ops.multiply(tensor, ops.cast(factor, tensor.dtype))
 
 
-def _check_root(root_rank: int) -> None:
+def _check_root(root_rank: int, group, what: str) -> int:
+    """`root_rank` (global) as an int, checked against the job and the process set."""
     if not 0 <= int(root_rank) < runtime.size():
         raise ValueError(f"root_rank={root_rank} is not a rank of this job: expected "
                          f"0 <= root_rank < size() = {runtime.size()}")
+    group.root_index(int(root_rank), what)
+    return int(root_rank)
+
+
+def _group(process_set, what: str):
+    return process_set_group(_NAME, process_set, what, engine_needed=True)
 
 
 def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
@@ -61,28 +74,31 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
         op: ``Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``. An integer tensor
             averaged is floor-divided (it keeps its dtype).
         prescale_factor, postscale_factor: multiply before / after the reduction.
-        process_set: must be the global process set.
+        process_set: ``hvd.global_process_set`` (default) or a registered ``hvd.ProcessSet``:
+            only its members call this; an average divides by its size.
 
     Returns:
         The reduced tensors, in order, same shapes and dtypes (IndexedSlices stay sparse).
 
     Raises:
-        ValueError: Adasum, a process set, or Min / Max / Product of IndexedSlices.
+        ValueError: Adasum, a process set not registered, or Min / Max / Product of
+            IndexedSlices.
+        NotInProcessSetError: this rank is not in `process_set`.
     """
     op = support.check_op(_NAME, op, average)
-    support.check_process_set(_NAME, process_set)
+    group = _group(process_set, "allreduce")
     codec = Compression.get(compression)
     engine = _engine()
     tensors = [t if engine.is_sparse(t) else ops.convert_to_tensor(t) for t in tensors]
     if op in _MERGE and any(engine.is_sparse(t) for t in tensors):
         raise ValueError(f"op={op} of tf.IndexedSlices is not supported (Horovod neither): "
                          f"use op=hvd.Sum or hvd.Average, or convert with tf.convert_to_tensor")
-    if runtime.size() == 1:
+    if group.size == 1:
         factor = prescale_factor * postscale_factor
         return [t if engine.is_sparse(t) or factor == 1.0 or op in _MERGE else _scaled(t, factor)
                 for t in tensors]
     if op in _MERGE:
-        return [_scaled(engine.reduce(_scaled(t, prescale_factor), _MERGE[op]),
+        return [_scaled(engine.reduce(_scaled(t, prescale_factor), _MERGE[op], group),
                         postscale_factor) for t in tensors]
     floor = [i for i, t in enumerate(tensors)
              if op is Average and not engine.is_sparse(t) and _integer(t)]
@@ -90,13 +106,14 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
     result = [None] * len(tensors)
     options = dict(prescale=prescale_factor, postscale=postscale_factor, compression=codec)
     reduced = engine.reduce_gradients([tensors[i] for i in rest], [None] * len(rest),
-                                      average=op is Average, **options)
+                                      average=op is Average, group=group, **options)
     for i, value in zip(rest, reduced):
         result[i] = value
     if floor:
-        sums = engine.allreduce([tensors[i] for i in floor], average=False, **options)
+        sums = engine.allreduce([tensors[i] for i in floor], average=False, group=group,
+                                **options)
         for i, value in zip(floor, sums):
-            result[i] = ops.floor_divide(value, ops.cast(runtime.size(), value.dtype))
+            result[i] = ops.floor_divide(value, ops.cast(group.size, value.dtype))
     return result
 
 
@@ -119,8 +136,8 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
     Example:
         >>> hvd.allgather(tf.fill([hvd.rank() + 1], hvd.rank()))   # 2 ranks: [0, 1, 1]
     """
-    support.check_process_set(_NAME, process_set)
-    return _engine().allgather([tensor])[0]
+    group = _group(process_set, "allgather")
+    return _engine().allgather([tensor], group)[0]
 
 
 def grouped_allgather(tensors, name=None, ignore_name_scope=False,
@@ -131,14 +148,14 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
 
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
               process_set=global_process_set):
-    """Rank `root_rank`'s `tensor` (same shape and dtype everywhere), on every rank.
+    """Rank `root_rank`'s `tensor` (same shape and dtype everywhere), on every rank (of
+    `process_set`; `root_rank` is a global rank, one of its members).
 
     Example:
         >>> seed = hvd.broadcast(tf.random.uniform([], maxval=2**30, dtype=tf.int32), 0)
     """
-    support.check_process_set(_NAME, process_set)
-    _check_root(root_rank)
-    return _engine().broadcast(tensor, int(root_rank))
+    group = _group(process_set, "broadcast")
+    return _engine().broadcast(tensor, _check_root(root_rank, group, "broadcast"), group)
 
 
 def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
@@ -147,11 +164,11 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     Returns:
         `variables`.
     """
-    support.check_process_set(_NAME, process_set)
-    _check_root(root_rank)
+    group = _group(process_set, "broadcast_")
+    root_rank = _check_root(root_rank, group, "broadcast_")
     engine = _engine()
     variables = list(variables)
-    if runtime.size() == 1:
+    if group.size == 1:
         return variables
     groups = {}
     for variable in variables:
@@ -159,7 +176,7 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     for dtype in sorted(groups):  # the same collectives in the same order on every rank
         members = groups[dtype]
         flat = ops.concatenate([ops.reshape(ops.convert_to_tensor(v), [-1]) for v in members], 0)
-        received = engine.broadcast(flat, int(root_rank))
+        received = engine.broadcast(flat, root_rank, group)
         start = 0
         for variable in members:
             count = int(np.prod(variable.shape))
@@ -168,11 +185,11 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     return variables
 
 
-def _my_rows(tensor):
-    """This rank's slice of the first dimension: the first ``rows % size`` ranks get one
-    row more (Horovod's split)."""
+def _my_rows(tensor, group):
+    """This rank's slice of the first dimension: the first ``rows % size`` ranks (positions
+    in the process set `group`) get one row more (Horovod's split)."""
     rows = ops.shape(tensor)[0]
-    size, rank = runtime.size(), runtime.rank()
+    size, rank = group.size, group.index(runtime.rank(), "reducescatter")
     base, extra = rows // size, rows % size
     if isinstance(rows, int):  # a static shape: plain numbers
         start, count = rank * base + min(rank, extra), base + (1 if rank < extra else 0)
@@ -193,7 +210,8 @@ def grouped_reducescatter(tensors, device_dense="", compression=Compression.none
     """
     reduced = grouped_allreduce(tensors, None, "", "", compression, op, prescale_factor,
                                 postscale_factor, process_set)
-    return [_my_rows(t) for t in reduced]
+    group = _group(process_set, "reducescatter")
+    return [_my_rows(t, group) for t in reduced]
 
 
 def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
@@ -211,7 +229,7 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
              process_set=global_process_set):
     """Send ``splits[r]`` consecutive rows of `tensor` to rank r; receive every rank's rows
-    for this one, in rank order.
+    for this one, in rank order (within `process_set`: r is a position in the set).
 
     Done with two allgathers (of the splits and of the tensors), each rank keeping its part:
     Horovod's values, more traffic than a true alltoall. Not under XLA.
@@ -224,10 +242,10 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
     Returns:
         The received rows; with `splits` given, also how many came from each rank.
     """
-    support.check_process_set(_NAME, process_set)
+    group = _group(process_set, "alltoall")
     engine = _engine()
     tensor = ops.convert_to_tensor(tensor)
-    size, rank = runtime.size(), runtime.rank()
+    size, rank = group.size, group.index(runtime.rank(), "alltoall")
     given = splits
     if splits is None:
         rows = tensor.shape[0]
@@ -236,8 +254,9 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
                              f"pass splits=[rows for each rank]")
         splits = ops.repeat(ops.reshape(ops.shape(tensor)[0] // size, [1]), size)
     splits = ops.cast(ops.convert_to_tensor(splits), "int32")
-    everyone = ops.reshape(engine.allgather([ops.reshape(splits, [1, size])])[0], [size, size])
-    data = engine.allgather([tensor])[0]
+    everyone = ops.reshape(engine.allgather([ops.reshape(splits, [1, size])], group)[0],
+                           [size, size])
+    data = engine.allgather([tensor], group)[0]
     sent = ops.sum(everyone, axis=1)
     sender_start = ops.cumsum(sent) - sent
     before_me = ops.sum(everyone[:, :rank], axis=1)

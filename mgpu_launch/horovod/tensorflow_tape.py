@@ -8,7 +8,7 @@ records on it.
 
 from mgpu_launch import engines, runtime
 from mgpu_launch.horovod import support
-from mgpu_launch.horovod.support import global_process_set
+from mgpu_launch.horovod.support import ProcessSet, global_process_set
 from mgpu_launch.runtime.collectives import Average, Sum
 from mgpu_launch.runtime.compression import Compression
 
@@ -29,13 +29,16 @@ class DistributedGradientTape:
         gradient_predivide_factor: with ``Average``: divide by this before the sum and by
             ``size / factor`` after it.
         num_groups, groups: must be 0 / None (gradients are fused per dtype by the engine).
-        process_set: must be the global process set.
+        process_set: ``hvd.global_process_set`` (default) or a registered ``hvd.ProcessSet``:
+            the gradients are reduced over its members only; on a rank outside it they stay
+            local (Horovod's).
         scale_local_gradients: divide the gradients of sources registered with
-            :meth:`register_local_source` by ``size()`` (Horovod's default, True).
+            :meth:`register_local_source` by ``size()`` (the set's size; Horovod's default,
+            True).
 
     Raises:
-        ValueError: Adasum, Min/Max/Product, a predivide factor without Average, groups or
-            a process set.
+        ValueError: Adasum, Min/Max/Product, a predivide factor without Average, groups, or
+            a process set that is no ``hvd.ProcessSet``.
 
     Example:
         >>> with tf.GradientTape() as tape:
@@ -59,8 +62,11 @@ class DistributedGradientTape:
             argument = "num_groups" if num_groups else "groups"
             support.reject(_NAME, argument, num_groups or groups, f"the engine fuses "
                             f"gradients into one buffer per dtype. Remove {argument}.")
-        support.check_process_set(_NAME, process_set)
-        vars(self).update(_tape=gradtape, _local=set(), op=op,
+        if process_set is not None and not isinstance(process_set, ProcessSet):
+            support.reject(_NAME, "process_set", process_set, "pass hvd.global_process_set or "
+                           "an hvd.ProcessSet registered with hvd.init(process_sets=[...]) or "
+                           "hvd.add_process_set.")
+        vars(self).update(_tape=gradtape, _local=set(), op=op, process_set=process_set,
                           compression=Compression.get(compression),
                           sparse_as_dense=bool(sparse_as_dense),
                           gradient_predivide_factor=float(gradient_predivide_factor),
@@ -105,17 +111,21 @@ class DistributedGradientTape:
 
     def _reduce(self, grads, sources):
         from keras import ops
-        size = runtime.size()
+        group = support.process_set_group(_NAME, self.process_set, "DistributedGradientTape",
+                                          engine_needed=True, member=False)
+        size = group.size
         factor = self.gradient_predivide_factor
         shared = [i for i, (g, s) in enumerate(zip(grads, sources))
                   if g is not None and id(s) not in self._local]
-        reduced = engines.get_engine().reduce_gradients(
-            [grads[i] for i in shared], [sources[i] for i in shared],
-            average=self.op is Average, prescale=1.0 / factor, postscale=factor,
-            compression=self.compression, sparse_as_dense=self.sparse_as_dense)
         result = list(grads)
-        for i, gradient in zip(shared, reduced):
-            result[i] = gradient
+        if runtime.rank() in group.ranks:  # outside the tape's set: local gradients (Horovod)
+            reduced = engines.get_engine().reduce_gradients(
+                [grads[i] for i in shared], [sources[i] for i in shared],
+                average=self.op is Average, prescale=1.0 / factor, postscale=factor,
+                compression=self.compression, sparse_as_dense=self.sparse_as_dense,
+                group=group)
+            for i, gradient in zip(shared, reduced):
+                result[i] = gradient
         if self.scale_local_gradients:
             for i, (g, s) in enumerate(zip(grads, sources)):
                 if g is not None and id(s) in self._local:

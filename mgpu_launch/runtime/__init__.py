@@ -11,10 +11,16 @@ topology and the host collectives pays for neither. Its modules, lowest first:
     stall_channel   the stall inspector's authenticated line protocol
     stall           the stall inspector: which rank waits where, named when a step stalls
     timeline        every rank's step phases and host collectives, merged into one trace
+    errors          the layer's exceptions (NotInitializedError, MismatchError, ...)
+    process_set_table  the registered process sets, their MPI sub-communicators, the
+                    engines' listeners
+    process_sets    Horovod's process sets: ProcessSet, init's sets, add / remove, the
+                    lookup every collective's process_set= goes through
     this module     init() / shutdown(), the topology (rank, size, local, cross), the MPI
                     communicator: one state object
     collectives     host collectives over MPI (allreduce, allgather, broadcast, barrier) with
-                    the mismatch checks that turn a would-be hang into an error
+                    the mismatch checks that turn a would-be hang into an error, over every
+                    rank or within a process set
     compression     what gradients are cast to on the wire (fp16, bf16)
     launch          mgpu_launch.run(): a Python function on N ranks from a notebook or script
 
@@ -33,12 +39,9 @@ import dataclasses
 import sys
 from typing import Any, Callable, List, Optional, Tuple
 
-from mgpu_launch.runtime import auth, stall, timeline
+from mgpu_launch.runtime import auth, process_sets as _process_sets, stall, timeline
+from mgpu_launch.runtime.errors import NotInitializedError
 from mgpu_launcher import environments, settings, worker
-
-
-class NotInitializedError(RuntimeError):
-    """A collective or topology query ran before ``mgpu.init()``."""
 
 
 @dataclasses.dataclass
@@ -105,7 +108,7 @@ def _start_mpi(placement: environments.Placement):
     return world.Dup()
 
 
-def init() -> None:
+def init(process_sets=None) -> None:
     """Join the job. Idempotent: a second call does nothing.
 
     Works with no launcher at all (a 1-process job), under ``mgpu-train``, ``mpirun``/``mpiexec``
@@ -118,11 +121,22 @@ def init() -> None:
     First it checks every ``MGPU_*`` variable (mgpu_launcher.settings; docs/settings.md) and
     warns, on rank 0, about a name it does not know.
 
+    Args:
+        process_sets: None; a list of :class:`~mgpu_launch.runtime.process_sets.ProcessSet`
+            to register (the same on every rank; the collectives' ``process_set=`` then
+            takes them); or ``"dynamic"``: none now, :func:`add_process_set` later (as does
+            ``MGPU_DYNAMIC_PROCESS_SETS=1``, with or without a list). See
+            mgpu_launch.runtime.process_sets.
+
     Raises:
         mgpu_launcher.settings.SettingError: an ``MGPU_*`` variable has a bad value (a
             ValueError; the message names the variable, the value and an example).
         mgpu_launcher.environments.DetectionError: the launcher's variables are contradictory.
         RuntimeError: the environment and MPI disagree on the job's size or this rank.
+        ValueError: `process_sets` is neither None, a list of ProcessSet nor "dynamic", holds
+            ranks outside the job or the same ranks twice; or a later call passes sets that
+            the first did not register.
+        MismatchError: the ranks passed different `process_sets`.
 
     Example:
         >>> import mgpu_launch as mgpu
@@ -131,7 +145,12 @@ def init() -> None:
         True
     """
     if state.initialized:
+        _process_sets.check_registered(process_sets)
         return
+    dynamic = isinstance(process_sets, str) and process_sets.lower() == "dynamic"
+    if isinstance(process_sets, str) and not dynamic:
+        raise ValueError(f"init(process_sets={process_sets!r}): expected None, a list of "
+                         f"mgpu.ProcessSet, or 'dynamic'")
     settings.check()
     placement = environments.detect()
     if placement.rank == 0:
@@ -151,6 +170,8 @@ def init() -> None:
         fresh.job_key = auth.share_job_key(comm)  # MPI: the bootstrap every rank joined through
         fresh.previous_excepthook = sys.excepthook
         sys.excepthook = _abort_on_uncaught
+    _process_sets.start(fresh, None if dynamic else process_sets,
+                        dynamic or settings.flag("MGPU_DYNAMIC_PROCESS_SETS"))
     vars(state).update(vars(fresh))
     atexit.register(shutdown)
     for start, _ in _hooks:
@@ -168,6 +189,7 @@ def shutdown() -> None:
         return
     for _, stop in reversed(_hooks):
         stop()
+    _process_sets.stop()
     if state.comm is not None and not _mpi().Is_finalized():
         state.comm.Free()
     if sys.excepthook is _abort_on_uncaught:

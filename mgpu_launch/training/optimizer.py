@@ -11,12 +11,14 @@ import keras
 from keras import ops
 
 from mgpu_launch import engines, keras_internals, runtime
-from mgpu_launch.runtime import collectives
-from mgpu_launch.runtime.collectives import MismatchError, ReduceOp
+from mgpu_launch.runtime import collectives, process_sets
+from mgpu_launch.runtime.collectives import ReduceOp
 from mgpu_launch.runtime.compression import Compression, Compressor
 from mgpu_launch.training import patches
+from mgpu_launch.training import optimizer_sync
 from mgpu_launch.training.optimizer_step import (Accumulation, _MultipliedSchedule, apply_inner,
                                                  innermost)
+from mgpu_launch.training.optimizer_sync import check_same_variables  # noqa: F401  (re-export)
 
 
 @keras.saving.register_keras_serializable(package="mgpu_launch")
@@ -53,6 +55,12 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             one; ``mgpu_launch.keras`` / ``mgpu_launch.tensorflow``'s DistributedOptimizer
             passes it). Schedules, the LR callbacks and backups are right under either;
             with one pass per step both count the same.
+        process_set: None (every rank) or a registered ``mgpu.ProcessSet``: the gradients
+            are averaged (summed) over its members only, and its first rank's weights are
+            copied to the other members at the first step. On a rank outside the set the
+            gradients stay local (Horovod's meaning) and nothing is copied. Within a set the
+            backend's engine must take process sets (TensorFlow, torch); not saved with the
+            model (a loaded model reduces over every rank).
         name: the optimizer's name.
 
     Mixed precision: with the ``mixed_float16`` policy, wrap the loss-scaling optimizer and
@@ -82,7 +90,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                  backward_passes_per_step: int = 1, average_aggregated_gradients: bool = True,
                  gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
                  cuda_graph: Optional[bool] = None, iterations_count: str = "updates",
-                 name: Optional[str] = None, **kwargs):
+                 process_set=None, name: Optional[str] = None, **kwargs):
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise ValueError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer; got "
                              f"{optimizer!r} ({type(optimizer).__name__}). Pass e.g. "
@@ -104,6 +112,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if iterations_count not in ("updates", "passes"):
             raise ValueError(f"iterations_count={iterations_count!r}: expected 'updates' "
                              f"(Keras's convention) or 'passes' (Horovod's)")
+        if process_set is not None and not isinstance(process_set, process_sets.ProcessSet):
+            raise ValueError(f"process_set={process_set!r}: expected None or an "
+                             f"mgpu.ProcessSet (registered with init(process_sets=[...]) or "
+                             f"add_process_set)")
         if kwargs:
             raise ValueError(f"DistributedOptimizer does not take {sorted(kwargs)}: set them "
                              f"on the wrapped optimizer instead.")
@@ -122,6 +134,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self.scale_local_gradients = True
         self.cuda_graph = cuda_graph
         self.iterations_count = iterations_count
+        #: the process set the gradients are reduced in (None: every rank)
+        self.process_set = process_set
         #: with a LearningRateSchedule: a variable its output is multiplied by (LR callbacks)
         self.lr_multiplier = None
         self._sync_in_step = False
@@ -168,46 +182,25 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._in_step_synced = self.add_variable(shape=(), dtype="int", initializer="zeros",
                                                  name="in_step_synced")
         super().build(var_list)
-        if self.backward_passes_per_step == 1 and runtime.is_multi_process():
+        group = self._group()
+        if group is not None and runtime.is_multi_process():
+            engines.get_engine().check_group(group, "DistributedOptimizer(process_set=...)")
+        if (self.backward_passes_per_step == 1 and runtime.is_multi_process()
+                and group is None):  # a backend that reduces during backward: every rank
             engines.get_engine().watch(var_list, **self._reduction())
         self._synced = False
         self._sync_from_root()
 
     def _sync_from_root(self):
-        """Once: check every rank holds the same variables, then copy rank 0's values.
+        """Once: the root's weights everywhere (``optimizer_sync.sync_from_root``)."""
+        optimizer_sync.sync_from_root(self)
 
-        Keras may build the optimizer while it traces the step symbolically, when variables
-        have no values yet; then the sync waits for the first real step (`apply`).
-        """
-        if self._synced or not runtime.is_multi_process():
-            return
-        if keras_internals.in_stateless_scope() or keras_internals.in_symbolic_scope():
-            return
-        trainable = keras_internals.built_variables(self)
-        check_same_variables(trainable, "the model's trainable variables")
-        # Only the model's weights: fresh optimizer slots are equal (zeros) on every rank, and
-        # slots created inside the step's trace cannot be read back yet.
-        engine = engines.get_engine()
-        if engine.readable_on_host(trainable):
-            engine.broadcast_variables(self._shared(trainable), 0)
-        else:  # created inside the step's trace (TF, lazily built models): sync in the step
-            self._sync_in_step = True
-        self._synced = True
+    def _group(self) -> Optional[process_sets.Group]:
+        """The registered set the gradients are reduced in; None for every rank."""
+        return optimizer_sync.reduction_group(self.process_set)
 
     def _broadcast_in_step(self, variables):
-        """At the first executed step: rank 0's values, as a sum of (rank 0's, zeros, ...)."""
-        engine = engines.get_engine()
-        is_root = runtime.rank() == 0
-        variables = self._shared(variables)
-
-        def copy_from_root():
-            sent = [v.value if is_root else ops.zeros_like(v.value) for v in variables]
-            for variable, value in zip(variables, engine.allreduce(sent, average=False)):
-                variable.assign(value)
-            self._in_step_synced.assign(1)
-
-        engine.cond_update(ops.equal(self._in_step_synced, 0), copy_from_root,
-                           list(variables) + [self._in_step_synced])
+        optimizer_sync.broadcast_in_step(self, variables)
 
     @property
     def variables(self):
@@ -226,13 +219,18 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def _reduce(self, grads: List[Any], variables) -> List[Any]:
         if not runtime.is_multi_process():
             return grads
+        group = self._group()
+        size = runtime.size() if group is None else group.size
         variables = list(variables)
         shared = [i for i, v in enumerate(variables) if id(v) not in self._local_ids]
         reduced = [g if id(v) not in self._local_ids or g is None or not self.scale_local_gradients
-                   else ops.divide(g, runtime.size()) for g, v in zip(grads, variables)]
+                   else ops.divide(g, size) for g, v in zip(grads, variables)]
+        if group is not None and runtime.rank() not in group.ranks:
+            return reduced  # outside the optimizer's set: local gradients, as Horovod's
+        within = {} if group is None else {"group": group}
         summed = engines.get_engine().reduce_gradients(
             [grads[i] for i in shared], [variables[i] for i in shared], **self._reduction(),
-            sparse_as_dense=self.sparse_as_dense)
+            sparse_as_dense=self.sparse_as_dense, **within)
         for i, gradient in zip(shared, summed):
             reduced[i] = gradient
         return reduced
@@ -348,30 +346,6 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         inner = keras.saving.deserialize_keras_object(config.pop("optimizer"),
                                                       custom_objects=custom_objects)
         return cls(inner, **config)
-
-
-def check_same_variables(variables, what: str) -> None:
-    """Raise MismatchError on every rank unless all ranks hold the same variables.
-
-    Compares count, shapes and dtypes (not values) with rank 0's, and names the first variable
-    that differs.
-    """
-    # A raw tf.Variable (accepted by Keras optimizers on TF) has a name but no path.
-    mine = [(getattr(v, "path", None) or v.name, tuple(v.shape),
-             keras.backend.standardize_dtype(v.dtype)) for v in variables]
-    everyone = collectives.allgather_object(mine)
-    reference = everyone[0]
-    for rank, theirs in enumerate(everyone[1:], start=1):
-        for index, (ours, other) in enumerate(zip(reference, theirs)):
-            if ours[1:] != other[1:]:
-                raise MismatchError(
-                    f"{what} differ between ranks: variable #{index} is {other[0]!r} "
-                    f"{other[1]} {other[2]} on rank {rank} but {ours[0]!r} {ours[1]} {ours[2]} "
-                    f"on rank 0. Every rank must build the same model.")
-        if len(theirs) != len(reference):
-            raise MismatchError(
-                f"{what} differ between ranks: rank {rank} has {len(theirs)} variables, rank 0 "
-                f"has {len(reference)}. Every rank must build the same model.")
 
 
 def scale_lr(base_lr: float) -> float:

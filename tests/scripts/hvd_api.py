@@ -55,11 +55,8 @@ for label, call in refused.items():
         call()
     except ValueError as error:
         report["errors"][label] = str(error)
-for missing in ("ProcessSet", "remove_process_set"):  # hvd.elastic exists (elastic.py)
-    try:
-        getattr(hvd, missing)
-    except AttributeError as error:
-        report["errors"][missing] = [type(error).__name__, str(error)]
+report["process_set_names"] = [hasattr(hvd, name) for name in (
+    "ProcessSet", "add_process_set", "remove_process_set", "global_process_set")]
 report["reducescatter"] = host(hvd.reducescatter(np.arange(6.0).reshape(3, 2) * (rank + 1),
                                                  op=hvd.Sum))
 report["process_set"] = [hvd.global_process_set.size(), hvd.global_process_set.ranks]
