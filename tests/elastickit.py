@@ -2,7 +2,8 @@
 
 A job that is killed, or stopped to resize, loses the steps after its last backup; the next
 attempt resumes from that backup (its log names it). The samples an epoch *used* are those of
-the steps that were not lost, over every attempt and rank.
+the steps that were not lost, over every attempt and rank. Also: starting and collecting the
+2-process jobs of the Horovod elastic-state tests (:func:`start_state_job`).
 """
 
 import contextlib
@@ -108,3 +109,32 @@ def reaped(proc):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def start_state_job(script: str, state_dir, out, *extra: str, restarts=(), backend: str):
+    """Start ``mgpu-train [restarts] -np 2 SCRIPT STATE_DIR OUT EXTRA...`` (a Horovod elastic
+    state test: tests/scripts/hvd_*elastic*.py, hvd_object_state.py) without waiting.
+
+    Returns:
+        The Popen (text pipes); :func:`finish_state_job` collects it.
+
+    Example:
+        >>> job = start_state_job(SCRIPT, tmp / "state", tmp / "run", "4",
+        ...                       restarts=("--max-restarts", "1"), backend="tensorflow")
+    """
+    import os
+    import sys
+
+    from conftest import ROOT, job_env
+    os.makedirs(out)
+    argv = [sys.executable, "-m", "mgpu_launcher", *restarts, "-np", "2", script,
+            str(state_dir), str(out), *extra]
+    return subprocess.Popen(argv, cwd=ROOT, env=job_env(KERAS_BACKEND=backend,
+                                                        TF_CPP_MIN_LOG_LEVEL="2"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish_state_job(process, timeout: float = 240) -> Tuple[int, str]:
+    """Wait for a :func:`start_state_job` job; returns (exit code, its output for messages)."""
+    stdout, stderr = process.communicate(timeout=timeout)
+    return process.returncode, f"exit {process.returncode}\n{stdout}\n{stderr}"

@@ -23,7 +23,6 @@ import io
 import json
 import os
 import re
-import shutil
 import stat
 import warnings
 import zipfile
@@ -172,14 +171,7 @@ class CommitStore:
 
     def delete(self) -> None:
         """Remove the folder (rank 0), unless another user could have redirected it."""
-        try:
-            folder = self._private(create=False)
-        except FileNotFoundError:
-            return
-        except folders.UnsafeFolder as error:
-            warnings.warn(f"{self.owner}: not deleting the commits: {error}", stacklevel=2)
-            return
-        shutil.rmtree(folder, ignore_errors=True)
+        folders.remove_private(self.folder, "backup_dir", self.owner, "the commits")
 
 
 def _stored(array) -> np.ndarray:

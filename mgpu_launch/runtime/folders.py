@@ -23,7 +23,9 @@ This module imports no deep-learning framework.
 
 import errno
 import os
+import shutil
 import stat
+import warnings
 from typing import List, Optional, Tuple
 
 _MAX_LINKS = 40  # as the kernel's own limit on links followed in one lookup
@@ -165,6 +167,29 @@ def private_folder(path: str, what: str = "folder", create: bool = True) -> str:
     if problem is not None:
         raise UnsafeFolder(f"{what} {path!r}{at} {problem}")
     return real
+
+
+def remove_private(path: str, what: str, who: str, holding: str) -> None:
+    """Delete the folder `path` and all it holds, unless another user could have redirected it
+    (then warn and leave it); a missing folder is nothing to do.
+
+    Args:
+        path: the folder (e.g. a backup_dir at the end of training).
+        what: what the folder is, for :func:`private_folder`'s checks.
+        who, holding: for the warning: who deletes it and what it holds.
+
+    Example:
+        >>> remove_private("/scratch/job-42/backup", "backup_dir", "BackupAndRestore",
+        ...                "the backups")
+    """
+    try:
+        folder = private_folder(path, what, create=False)
+    except FileNotFoundError:
+        return
+    except UnsafeFolder as error:
+        warnings.warn(f"{who}: not deleting {holding}: {error}", stacklevel=3)
+        return
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def create_new(path: str, data: bytes = b"", mode: int = 0o600) -> None:

@@ -2,29 +2,22 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import BACKEND, ROOT, SCRIPTS, job_env, requires_mpirun
+import elastickit
+from conftest import BACKEND, SCRIPTS, requires_mpirun
 
 pytestmark = [requires_mpirun, pytest.mark.job]
 
 
 def _start(state_dir, out, *extra, restarts=()):
-    os.makedirs(out)
-    argv = [sys.executable, "-m", "mgpu_launcher", *restarts, "-np", "2",
-            os.path.join(SCRIPTS, "hvd_elastic.py"), str(state_dir), str(out), *extra]
-    return subprocess.Popen(argv, cwd=ROOT, env=job_env(KERAS_BACKEND=BACKEND,
-                                                        TF_CPP_MIN_LOG_LEVEL="2"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return elastickit.start_state_job(os.path.join(SCRIPTS, "hvd_elastic.py"), state_dir,
+                                      out, *extra, restarts=restarts, backend=BACKEND)
 
 
-def _finish(process):
-    stdout, stderr = process.communicate(timeout=240)
-    return process.returncode, f"exit {process.returncode}\n{stdout}\n{stderr}"
+_finish = elastickit.finish_state_job
 
 
 @pytest.mark.backend

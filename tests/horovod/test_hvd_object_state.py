@@ -3,31 +3,25 @@ and a failure after a commit restarts the job from that commit's values."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import BACKEND, ROOT, SCRIPTS, job_env, requires_mpirun
+import elastickit
+from conftest import BACKEND, SCRIPTS, requires_mpirun
 
 pytestmark = [requires_mpirun, pytest.mark.job]
 
 
 def _start(state_dir, out, *extra, restarts=()):
-    os.makedirs(out)
-    argv = [sys.executable, "-m", "mgpu_launcher", *restarts, "-np", "2",
-            os.path.join(SCRIPTS, "hvd_object_state.py"), str(state_dir), str(out), *extra]
-    return subprocess.Popen(argv, cwd=ROOT, env=job_env(KERAS_BACKEND=BACKEND,
-                                                        TF_CPP_MIN_LOG_LEVEL="2"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return elastickit.start_state_job(os.path.join(SCRIPTS, "hvd_object_state.py"), state_dir,
+                                      out, *extra, restarts=restarts, backend=BACKEND)
 
 
-def _finish(process):
-    stdout, stderr = process.communicate(timeout=240)
-    return process.returncode, f"exit {process.returncode}\n{stdout}\n{stderr}"
+_finish = elastickit.finish_state_job
 
 
 @pytest.mark.backend
+@pytest.mark.first_backend  # plain Python values: the backend only runs the job around them
 def test_a_failure_after_a_commit_resumes_from_its_values_on_every_rank(tmp_path, backend):
     reference = _start(tmp_path / "state-ref", tmp_path / "ref")
     faulty = _start(tmp_path / "state", tmp_path / "run", "4", restarts=("--max-restarts", "1"))

@@ -6,7 +6,6 @@ import json
 import math
 import os
 import re
-import shutil
 import stat
 import tempfile
 import warnings
@@ -261,14 +260,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _delete_folder(self) -> None:
         """Remove the backup folder (rank 0), unless another user could have redirected it."""
-        try:
-            folder = self._folder(create=False)
-        except FileNotFoundError:
-            return
-        except folders.UnsafeFolder as error:
-            warnings.warn(f"BackupAndRestore: not deleting the backups: {error}", stacklevel=2)
-            return
-        shutil.rmtree(folder, ignore_errors=True)
+        folders.remove_private(self.backup_dir, "backup_dir", "BackupAndRestore", "the backups")
 
     def on_train_begin(self, logs=None):
         self._check_folder()
