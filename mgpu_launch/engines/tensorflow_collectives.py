@@ -16,8 +16,10 @@ fixed key, in a range of its own. A long run with varying sizes then uses a boun
 keys (the engine module's docstring says why that matters).
 
 Under XLA (``jit_compile=True``, and Keras's default ``"auto"`` on GPUs) that allgather cannot
-compile: its output shape depends on the values exchanged. Broadcast and the reductions compile
-where the engine's allreduce does. Sparse gradients therefore take another path under XLA
+compile: its output shape depends on the values exchanged. Broadcast, sum and product compile
+where the engine's allreduce does; min and max do not (XLA's lowering of ``CollectiveReduceV2``,
+tf2xla's ``all_reduce_op.cc``, takes only Add and Mul merges), so :func:`reduce` refuses them
+there with the fix. Sparse gradients therefore take another path under XLA
 (:func:`gather_static`, ``MGPU_TF_SPARSE_GATHER``): each rank pads its slices to a bucket of its
 own row count (a compile-time constant under XLA) with zero-valued rows at index 0, places them
 at its rank's offset in a zero buffer of ``size`` such blocks, and one ``CollectiveReduceV2``
@@ -235,7 +237,16 @@ def broadcast(engine, tensor, root_rank: int, group=None):
 
 def reduce(engine, tensor, op: str, group=None):
     """`tensor` combined over the ranks (of `group`) elementwise by `op`: "sum", "min", "max"
-    or "product"."""
+    or "product".
+
+    Raises:
+        ValueError: "min" or "max" inside an XLA-compiled function (XLA's all-reduce of
+            TensorFlow's collective takes only sum and product).
+    """
+    if op in ("min", "max") and _in_xla():
+        raise ValueError(f"mgpu: a {op} allreduce cannot be compiled with XLA (TensorFlow lowers "
+                         f"its collective reduce only for sum and product). Call it from a "
+                         f"tf.function without jit_compile=True, or outside the compiled step.")
     group = members(engine, group, op)
     return _elementwise(engine, tensor, group, lambda t: _mpi_reduce(group.comm, t, op),
                         lambda wire: engine.collective_reduce(wire, kind=op,

@@ -73,6 +73,8 @@ def test_unsupported_names_and_arguments_say_what_to_do(reports):
         assert errors[label][0] == "ValueError", errors[label]
     assert "Leave mark_cycles out" in errors["timeline"][1]
     assert "Adasum is not implemented" in errors["adasum"][1]
+    assert errors["xla_max"][0] == "ValueError", errors["xla_max"]  # raised while tracing
+    assert "a max allreduce cannot be compiled with XLA" in errors["xla_max"][1]
     assert "is not a process set: pass mgpu.global_process_set or a ProcessSet" in \
         errors["process_set"][1]
     for label in ("join",):

@@ -137,6 +137,9 @@ for label, call in {
         "join": lambda: hvd.join(),
         "sparse_min": lambda: hvd.allreduce(tf.IndexedSlices(tf.ones([1, 2]), tf.constant([0]),
                                                              tf.constant([3, 2])), op=hvd.Min),
+        # tf2xla lowers TF's collective reduce for Add and Mul merges only
+        "xla_max": lambda: tf.function(lambda x: hvd.allreduce(x, op=hvd.Max),
+                                       jit_compile=True)(tf.ones([2])),
 }.items():
     try:
         call()
