@@ -287,6 +287,10 @@ SETTINGS: Dict[str, Setting] = _declare(
       example="17", shown_default="17"),
     _("MGPU_CLUSTER_NAME", "text", None, TOOLING, "scripts/cluster.sh: container names",
       example="mgpu1", shown_default="mgpu + process id"),
+    _("MGPU_CLUSTER_EXPOSE", "text", None, TOOLING,
+      "scripts/cluster.sh up DIR mpi-operator: more paths (joined by ':') the pods' non-root "
+      "user must reach (this Python's prefix)", example="/opt/python3.11",
+      shown_default="the checkout only"),
     _("MGPU_SLURM_PORT", "text", None, TOOLING, "scripts/slurm.sh: slurmctld's port",
       example="16817", shown_default="16817"),
 )
