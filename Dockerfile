@@ -1,7 +1,8 @@
 # mgpu-launch with GPU TensorFlow, `mgpu-train` as the entry point.
 #
 # The CUDA variant has not been built (the project's machines have no Docker engine); CI builds
-# and runs the CPU variant with podman (scripts/build_cpu_image.sh). Its install step is
+# and runs the CPU variant with podman (scripts/build_cpu_image.sh), also in its two MPI
+# Operator roles (worker pods running only its sshd, a launcher reaching them). Its install step is
 # scripts/install.sh, the same script scripts/test.sh (CI) installs with, with the `tensorflow`
 # extra instead of `tensorflow-cpu`. TensorFlow on GPUs itself has run, outside an image: on one
 # and two H100s through NCCL (benchmarks/tf_gpu/README.md; README, "Status").

@@ -204,7 +204,8 @@ cmd_up() {
   dir=$(cd "$dir" && pwd)
   [ "$(id -u)" -eq 0 ] || die "up needs root (network namespaces, sshd)"
   [ ! -f "$dir/name" ] || die "$dir already holds a cluster: run down first"
-  [ -x /usr/sbin/sshd ] || die "no /usr/sbin/sshd: run scripts/install_cluster_deps.sh"
+  [ -x /usr/sbin/sshd ] || [ -n "${MGPU_CLUSTER_ROOTFS:-}" ] \
+    || die "no /usr/sbin/sshd: run scripts/install_cluster_deps.sh"
   name=${MGPU_CLUSTER_NAME:-mgpu$$}
   echo "$name" > "$dir/name"
   echo "$LAYOUT" > "$dir/layout"

@@ -39,6 +39,11 @@
 # that it cannot enter (/root, mode 0700) is covered, in the pod only, by a tmpfs that holds just
 # the entries on those paths (bind mounts of the real ones). MGPU_CLUSTER_EXPOSE (paths joined by
 # ':', given to `up`) names more, e.g. the Python's prefix; the checkout is always included.
+# MGPU_CLUSTER_ROOTFS (given to `up`): the file system of an image built from the Dockerfile
+# (scripts/build_cpu_image.sh mounts its CPU variant): every pod then runs in a private overlay
+# of it (chroot), with the image's own Python, sshd, configs and user, and the container
+# environment is HOME, HOSTNAME, the lines of MGPU_CLUSTER_IMAGE_ENV (the image's ENV) and the
+# operator's; nothing of the host's Python or checkout is used.
 # Not simulated: Kubernetes itself (no API server, kubelet or operator process; the files are
 # written once by `up` and by the test), a pod's PID namespace (the test sees the ranks' pids),
 # cgroups and resource limits, GPUs.
@@ -105,10 +110,14 @@ operator_write_files() {
     {
       echo "HOME=$POD_HOME"
       echo "HOSTNAME=$(pod_name "$node")"
-      echo "PATH=$PATH"
-      echo "PYTHONPATH=${PYTHONPATH:-}"
-      echo "KERAS_BACKEND=${KERAS_BACKEND:-tensorflow}"
-      echo "PYTHONUNBUFFERED=1"
+      if [ -n "${MGPU_CLUSTER_ROOTFS:-}" ]; then
+        grep -v '^$' "${MGPU_CLUSTER_IMAGE_ENV:-/dev/null}" || true
+      else
+        echo "PATH=$PATH"
+        echo "PYTHONPATH=${PYTHONPATH:-}"
+        echo "KERAS_BACKEND=${KERAS_BACKEND:-tensorflow}"
+        echo "PYTHONUNBUFFERED=1"
+      fi
       if [ "$node" = launcher ]; then
         echo "K_MPI_JOB_ROLE=launcher"
         echo "OMPI_MCA_orte_keep_fqdn_hostnames=true"
@@ -123,6 +132,14 @@ operator_write_files() {
     } > "$dir/env.$node"
   done
   { echo "$REPO"; tr ':' '\n' <<< "${MGPU_CLUSTER_EXPOSE:-}"; } | grep -v '^$' > "$dir/expose"
+  if [ -n "${MGPU_CLUSTER_ROOTFS:-}" ]; then
+    [ -x "$MGPU_CLUSTER_ROOTFS/usr/sbin/sshd" ] \
+      || die "MGPU_CLUSTER_ROOTFS=$MGPU_CLUSTER_ROOTFS has no usr/sbin/sshd: expected the file" \
+        "system of an image built from this repository's Dockerfile"
+    echo "$MGPU_CLUSTER_ROOTFS" > "$dir/rootfs"
+  else
+    rm -f "$dir/rootfs"
+  fi
 }
 
 pod_unreachable() {  # PATH...: "DIR ENTRY" for each path's first directory uid 10001 cannot enter
@@ -160,49 +177,78 @@ pod_expose() {  # DIR PATH...: make each path reachable for uid 10001 in this mo
   die "some of $* stay unreachable for uid $POD_UID"
 }
 
-operator_pod_init() {  # runs as the pod's first process, in its own UTS and mount namespaces
-  local dir=$1 node=$2 paths env
-  set -euo pipefail
-  hostname "$(pod_name "$node")"
+pod_image_root() {  # DIR NODE ROOTFS ROOT: the pod's / at ROOT, a private overlay of the image
+  local dir=$1 node=$2 rootfs=$3 root=$4
+  mkdir -p "$root" "$dir/layer.$node"
+  mount -t tmpfs tmpfs "$dir/layer.$node"
+  mkdir "$dir/layer.$node/upper" "$dir/layer.$node/work"
+  mount -t overlay overlay \
+    -o "lowerdir=$rootfs,upperdir=$dir/layer.$node/upper,workdir=$dir/layer.$node/work" "$root"
+  mount -t proc proc "$root/proc"
+  mount --bind /dev "$root/dev"
+  mount --bind -o ro /sys "$root/sys"  # Open MPI's UCX reads /sys/class/net
+}
+
+pod_host_root() {  # DIR NODE: the pod's / is the host's, with its own /etc and /home
+  local dir=$1 node=$2
   mkdir -p "$dir/etc.$node"
   mount -t tmpfs tmpfs "$dir/etc.$node"
   mkdir "$dir/etc.$node/upper" "$dir/etc.$node/work"
   mount -t overlay overlay \
     -o "lowerdir=/etc,upperdir=$dir/etc.$node/upper,workdir=$dir/etc.$node/work" /etc
-  cat "$dir/hosts.$node" > /etc/hosts
+  # what the image's Dockerfile adds: its user, the ssh configs (docker/), the home
   echo "mgpu:x:$POD_UID:$POD_UID::$POD_HOME:/bin/bash" >> /etc/passwd
   echo "mgpu:x:$POD_UID:" >> /etc/group
   cp "$REPO/docker/ssh_config" /etc/ssh/ssh_config.d/mgpu-mpi-operator.conf
-  if [ "$node" = launcher ]; then
-    mkdir /etc/mpi
-    mount --bind "$dir/mpi" /etc/mpi
-    mount -o remount,bind,ro /etc/mpi
-  fi
   mount -t tmpfs -o mode=0755 tmpfs /home
-  mkdir -p "$POD_HOME/.ssh"
+  mkdir -p "$POD_HOME"
   install -m 0644 "$REPO/docker/sshd_config" "$POD_HOME/.sshd_config"
   chown "$POD_UID:$POD_UID" "$POD_HOME" "$POD_HOME/.sshd_config"
-  mount --bind "$dir/secret" "$POD_HOME/.ssh"
-  mount -o remount,bind,ro "$POD_HOME/.ssh"
-  mount --bind "$dir/shared" /mnt
-  mapfile -t paths < "$dir/expose"
-  pod_expose "$dir" "${paths[@]}"
+}
+
+operator_pod_init() {  # runs as the pod's first process, in its own UTS and mount namespaces
+  local dir=$1 node=$2 paths env root="" run=()
+  set -euo pipefail
+  hostname "$(pod_name "$node")"
+  if [ -f "$dir/rootfs" ]; then
+    root=$dir/root.$node
+    pod_image_root "$dir" "$node" "$(cat "$dir/rootfs")" "$root"
+    run=(chroot "$root")
+  else
+    pod_host_root "$dir" "$node"
+  fi
+  cat "$dir/hosts.$node" > "$root/etc/hosts"
+  if [ "$node" = launcher ]; then
+    mkdir -p "$root/etc/mpi"
+    mount --bind "$dir/mpi" "$root/etc/mpi"
+    mount -o remount,bind,ro "$root/etc/mpi"
+  fi
+  mkdir -p "$root$POD_HOME/.ssh"
+  mount --bind "$dir/secret" "$root$POD_HOME/.ssh"
+  mount -o remount,bind,ro "$root$POD_HOME/.ssh"
+  mount --bind "$dir/shared" "$root/mnt"
+  if [ -z "$root" ]; then
+    mapfile -t paths < "$dir/expose"
+    pod_expose "$dir" "${paths[@]}"
+  fi
   mapfile -t env < "$dir/env.$node"
   # Last: $dir may be under the host's /tmp.
-  mount -t tmpfs -o mode=1777 tmpfs /dev/shm
-  mount -t tmpfs -o mode=1777 tmpfs /tmp
+  mount -t tmpfs -o mode=1777 tmpfs "$root/dev/shm"
+  mount -t tmpfs -o mode=1777 tmpfs "$root/tmp"
   if [ "$node" = launcher ]; then
-    exec env -i "${env[@]}" sleep infinity
+    exec "${run[@]}" env -i "${env[@]}" sleep infinity
   fi
-  exec setpriv --reuid="$POD_UID" --regid="$POD_UID" --clear-groups \
+  # setpriv from the image when there is one (chroot resolves the command inside it)
+  exec "${run[@]}" setpriv --reuid="$POD_UID" --regid="$POD_UID" --clear-groups \
     env -i "${env[@]}" /usr/sbin/sshd -De -f "$POD_HOME/.sshd_config"
 }
 
 operator_exec() {  # as `kubectl exec`: the pod's user, its container environment, WORKDIR
-  local dir=$1 node=$2 pid=$3 env
+  local dir=$1 node=$2 pid=$3 env root=()
   shift 3
   mapfile -t env < "$dir/env.$node"
-  exec nsenter --target "$pid" --net --uts --mount -- setpriv --reuid="$POD_UID" \
+  [ ! -f "$dir/rootfs" ] || root=(--root)  # the image's / (the pod's first process's)
+  exec nsenter --target "$pid" --net --uts --mount "${root[@]}" -- setpriv --reuid="$POD_UID" \
     --regid="$POD_UID" --clear-groups env -i -C "$POD_HOME" "${env[@]}" "$@"
 }
 
