@@ -1,7 +1,8 @@
 # mgpu-launch with GPU TensorFlow, `mgpu-train` as the entry point.
 #
 # The CUDA variant has not been built (the project's machines have no Docker engine); CI builds
-# and runs the CPU variant with podman (scripts/build_cpu_image.sh). Its install step is
+# and runs the CPU variant with podman (scripts/build_cpu_image.sh), also in its two MPI
+# Operator roles (worker pods running only its sshd, a launcher reaching them). Its install step is
 # scripts/install.sh, the same script scripts/test.sh (CI) installs with, with the `tensorflow`
 # extra instead of `tensorflow-cpu`. TensorFlow on GPUs itself has run, outside an image: on one
 # and two H100s through NCCL (benchmarks/tf_gpu/README.md; README, "Status").
@@ -42,25 +43,19 @@ ENV DEBIAN_FRONTEND=noninteractive \
 # Two roles, one image (examples/kubernetes/, Kubeflow's MPI Operator): the launcher runs
 # mgpu-train; a worker runs only `/usr/sbin/sshd -De -f /home/mgpu/.sshd_config` as this user,
 # on port 2222 (a non-root sshd cannot bind 22). The operator mounts the job's key pair
-# (id_rsa, id_rsa.pub, authorized_keys) at the MPIJob's sshAuthMountPath, /home/mgpu/.ssh:
-# sshd takes id_rsa as its host key, and with StrictModes off accepts the mounted files' modes.
-# The ssh client (the launcher's mpirun) goes to port 2222 and keeps no known_hosts: the mount
-# is read-only and the workers' names are new in every job.
+# (id_rsa, id_rsa.pub, authorized_keys) at the MPIJob's sshAuthMountPath, /home/mgpu/.ssh.
+# docker/sshd_config and docker/ssh_config say why each setting is there; the cluster tests run
+# both files (tests/test_cluster_mpi_operator.py).
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv openssh-client \
         openssh-server \
  && rm -rf /var/lib/apt/lists/* /etc/ssh/ssh_host_*_key* \
  && mkdir -p /run/sshd \
- && printf '%s\n' 'Host *' '    Port 2222' '    StrictHostKeyChecking no' \
-        '    UserKnownHostsFile /dev/null' >/etc/ssh/ssh_config.d/mgpu-mpi-operator.conf \
  && python3 -m venv /opt/venv \
- && useradd --create-home --uid 10001 --shell /bin/bash mgpu \
- && printf '%s\n' 'Port 2222' 'HostKey /home/mgpu/.ssh/id_rsa' 'PidFile /home/mgpu/sshd.pid' \
-        'AuthorizedKeysFile /home/mgpu/.ssh/authorized_keys' 'StrictModes no' \
-        'PasswordAuthentication no' 'KbdInteractiveAuthentication no' \
-        >/home/mgpu/.sshd_config \
- && chown mgpu:mgpu /home/mgpu/.sshd_config
+ && useradd --create-home --uid 10001 --shell /bin/bash mgpu
+COPY docker/ssh_config /etc/ssh/ssh_config.d/mgpu-mpi-operator.conf
+COPY --chown=10001:10001 docker/sshd_config /home/mgpu/.sshd_config
 
 # Only what the package needs (and the examples), so edits elsewhere keep the cache.
 WORKDIR /opt/mgpu-launch

@@ -295,6 +295,17 @@ SETTINGS: Dict[str, Setting] = _declare(
       example="17", shown_default="17"),
     _("MGPU_CLUSTER_NAME", "text", None, TOOLING, "scripts/cluster.sh: container names",
       example="mgpu1", shown_default="mgpu + process id"),
+    _("MGPU_CLUSTER_EXPOSE", "text", None, TOOLING,
+      "scripts/cluster.sh up DIR mpi-operator: more paths (joined by ':') the pods' non-root "
+      "user must reach (this Python's prefix)", example="/opt/python3.11",
+      shown_default="the checkout only"),
+    _("MGPU_CLUSTER_ROOTFS", "text", None, TOOLING,
+      "scripts/cluster.sh up DIR mpi-operator: run the pods in this image file system "
+      "(scripts/build_cpu_image.sh)", example="/var/lib/containers/.../merged",
+      shown_default="none: this machine's"),
+    _("MGPU_CLUSTER_IMAGE_ENV", "text", None, TOOLING,
+      "scripts/cluster.sh, with MGPU_CLUSTER_ROOTFS: a file of the image's ENV, NAME=VALUE a "
+      "line", example="/tmp/image.env", shown_default="none"),
     _("MGPU_SLURM_PORT", "text", None, TOOLING, "scripts/slurm.sh: slurmctld's port",
       example="16817", shown_default="16817"),
 )

@@ -234,3 +234,26 @@ def host_of_rank(hosts_arg: str, rank: int) -> Optional[str]:
             return host
         rank -= int(count)
     return None
+
+
+def hosts_named(names: Sequence[str], hosts_arg: str) -> List[str]:
+    """The hosts of a ``-H`` list made by :func:`place` that `names` (as mpirun printed them)
+    refer to, each once, in the order of `names`.
+
+    A name matches a host with the same name, or, when one of the two has no dot, the host
+    whose first label it is: Open MPI 5 prints ``node2`` for ``node2.example.svc`` unless
+    ``prte_keep_fqdn_hostnames`` is set. A name that matches several hosts matches none.
+
+    Example:
+        >>> hosts_named(["w1", "w1.job.svc"], "w0.job.svc:2,w1.job.svc:2")
+        ['w1.job.svc']
+    """
+    hosts = [entry.rsplit(":", 1)[0] for entry in hosts_arg.split(",") if entry]
+    found: List[str] = []
+    for name in names:
+        matches = [host for host in hosts if host == name] or [
+            host for host in hosts if ("." not in name or "." not in host)
+            and host.split(".", 1)[0] == name.split(".", 1)[0]]
+        if len(matches) == 1 and matches[0] not in found:
+            found.append(matches[0])
+    return found

@@ -18,10 +18,13 @@ from its ``callbacks.BackupAndRestore`` backup), with Horovod's knobs and discov
 4. When a rank fails, the job is torn down (mgpu_launcher.supervisor, which prints the root
    cause: the failing rank's error and the last lines of its stderr); the host of the rank
    that failed first is blacklisted for ``--blacklist-cooldown`` seconds (doubling with each
-   further failure); go to 1, at most ``--max-restarts`` times (default 10 here). A failure
-   before the first training step that is not a killed process (a SyntaxError, a bad
-   argument) is not restarted; nor is one that repeats the attempt before it identically (the
-   same error from a rank, and the same last backup point: rank 0 reports each with
+   further failure); so is every host whose daemon mpirun lost or could not start over ssh (a
+   machine gone, a deleted MPI Operator worker pod: its ranks fail or are ended by mpirun
+   without a rank to blame), and then those hosts, not a rank, are the failure. Go to 1, at
+   most ``--max-restarts`` times (default 10 here). A failure before the first training step
+   that is neither a killed process nor a lost host (a SyntaxError, a bad argument) is not
+   restarted; nor is one that repeats the attempt before it identically (the same error from
+   a rank, and the same last backup point: rank 0 reports each with
    ``worker.BACKUP_MARKER``), unless ``MGPU_STOP_REPEATED_FAILURE=0``.
 5. The job ending with status 0 without such a stop ends mgpu-train with 0.
 """
@@ -279,8 +282,9 @@ def run(options: Options, start: Callable, max_restarts: int = DEFAULT_MAX_RESTA
                 say(f"stopping: {resizes} resizes in this run is more than {MAX_RESIZES}")
                 return 1
             continue
-        why = _failed(outcome, hosts_arg, blacklist)
-        if not outcome.progressed and not _killed(outcome):
+        lost = discovery.hosts_named(outcome.lost_hosts, hosts_arg)
+        why = _lost(lost, blacklist) if lost else _failed(outcome, hosts_arg, blacklist)
+        if not outcome.progressed and not _killed(outcome) and not lost:
             say(f"not restarting: the job failed before its first training step was done "
                 f"({why}), so every restart would fail the same way. Fix the error above.")
             return status
@@ -322,6 +326,15 @@ def _repeated(outcome, point: Optional[str]) -> Optional[Tuple[str, Optional[str
 
 def _killed(outcome) -> bool:
     return bool(outcome.cause and outcome.cause.reason.startswith("killed by signal"))
+
+
+def _lost(hosts, blacklist: discovery.Blacklist) -> str:
+    """Blacklist the hosts mpirun lost (their ranks' failures follow from it); the reason."""
+    for host in hosts:
+        seconds = blacklist.add(host)
+        say(f"{host} failed: mpirun lost its daemon there, or could not start one over ssh; "
+            f"{host} is blacklisted for {seconds:g} s (--blacklist-cooldown)")
+    return f"{', '.join(hosts)} failed (mpirun lost {'them' if len(hosts) > 1 else 'it'})"
 
 
 def _failed(outcome, hosts_arg: str, blacklist: discovery.Blacklist) -> str:

@@ -48,6 +48,25 @@ class Flavour:
     # mpirun's own report of a rank killed by a signal, groups (rank, signal number); searched
     # in mpirun's lines joined by spaces (it breaks the sentence over lines). None: unknown.
     signal_death: Optional["re.Pattern[str]"] = None
+    # mpirun's (and its ssh's) own reports of a host whose daemon it lost or could not start,
+    # group 1 the host's name as they print it; searched line by line. Empty: unknown.
+    lost_host: Tuple["re.Pattern[str]", ...] = ()
+
+    def lost_hosts_in(self, mpirun_lines: Sequence[str]) -> List[str]:
+        """The hosts mpirun says it lost, in the order it said so (each once).
+
+        Example:
+            >>> OPENMPI.lost_hosts_in(["  Remote host:   node2", "ssh: connect to host "
+            ...                        "node2 port 22: Connection refused"])
+            ['node2']
+        """
+        found: List[str] = []
+        for line in mpirun_lines:
+            for pattern in self.lost_host:
+                match = pattern.search(line)
+                if match and match.group(1) not in found:
+                    found.append(match.group(1))
+        return found
 
     def signal_death_in(self, mpirun_text: str) -> Optional[Tuple[int, int]]:
         """(rank, signal number) of a rank that mpirun says a signal killed, else None.
@@ -84,6 +103,18 @@ OPENMPI = Flavour(
     # lines); 2-4 say "mpirun noticed that process rank 0 with PID 21183 on node host01 exited
     # on signal 9 (Killed)." (open-mpi/ompi#2661).
     signal_death=re.compile(r"rank (\d+) with PID \d+ on node \S+ exited on\s+signal (\d+)"),
+    # A host gone while the job runs (a deleted MPI Operator worker pod: its sshd and prted
+    # killed), or unreachable at the start: prterun's "A daemon failed to report back after being
+    # spawned ... Remote host: NAME" (PRRTE's ssh launcher, 5.0.11; NAME shortened to its first
+    # label unless prte_keep_fqdn_hostnames) and "Remote daemon: [...] on node NAME" (its lost
+    # connection notice, 2-5), and ssh's own "ssh: connect to host NAME port ...", "Connection
+    # to NAME closed by remote host." and "ssh: Could not resolve hostname NAME: ...". Seen on
+    # the MPI Operator simulation (tests/test_cluster_mpi_operator.py).
+    lost_host=(re.compile(r"^\s*Remote host:\s+([\w.-]+)\s*$"),
+               re.compile(r"^\s*Remote daemon:\s+\S+ on node ([\w.-]+)"),
+               re.compile(r"^ssh: connect to host ([\w.-]+) port \d+: "),
+               re.compile(r"^Connection to ([\w.-]+) closed by remote host\.?$"),
+               re.compile(r"^ssh: Could not resolve hostname ([\w.-]+): ")),
     # The TCP transport (btl tcp) listens on every interface, IPv4 and IPv6, in every rank,
     # unauthenticated, and btl_tcp_if_include only chooses the networks it sends on. On one
     # host the ranks talk through shared memory (btl sm) and never use it. prterun's own

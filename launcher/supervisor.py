@@ -70,6 +70,7 @@ class Outcome:
     leftovers: Tuple[int, ...] = ()  # processes of the job still alive after the teardown
     resized: Optional[str] = None  # where an elastic job stopped to resize (RESIZE_MARKER)
     backup: Optional[str] = None  # an elastic job's last backup point (BACKUP_MARKER), if any
+    lost_hosts: Tuple[str, ...] = ()  # hosts mpirun lost or could not reach, as it names them
 
 
 class OutputRelay:
@@ -186,7 +187,11 @@ class OutputRelay:
                 if match:
                     lines.append(f"  root cause: {text.format(*match.groups())}")
                     return "\n".join(lines)
-            lines.append("  root cause: unknown — no rank reported a failure; see mpirun's "
+            lost = self.flavour.lost_hosts_in(self.mpirun_lines)
+            lines.append(f"  root cause: mpirun lost or could not reach {', '.join(lost)}: its "
+                         f"daemon there ended or did not start (the host went away, or ssh to "
+                         f"it failed); see mpirun's messages above." if lost else
+                         "  root cause: unknown — no rank reported a failure; see mpirun's "
                          "messages above.")
             return "\n".join(lines)
         if cause.stall:
@@ -382,8 +387,14 @@ def supervise(command: Sequence[str], flavour: Flavour, *, all_ranks: bool = Fal
             status = job.proc.wait()
     finally:
         leftovers = job.teardown()
+    lost = tuple(flavour.lost_hosts_in(relay.mpirun_lines))
+    if status == 0 and lost and job.stopped_by is None:
+        # prterun 5.0.11 said "PRTE has lost communication with a remote daemon ... will
+        # terminate the job" and exited 0 (a deleted MPI Operator worker pod): not a success.
+        status = 1
     outcome = Outcome(status, progressed=relay.progressed, cause=relay.root_cause(),
-                      leftovers=leftovers, resized=relay.resized, backup=relay.backup)
+                      leftovers=leftovers, resized=relay.resized, backup=relay.backup,
+                      lost_hosts=lost)
     if job.stopped_by is not None:
         outcome.status, outcome.stopped_by = 128 + job.stopped_by, job.stopped_by
     elif status != 0:

@@ -231,14 +231,15 @@ def gone_after_kill(victim, text, limit=30.0):
 
 
 @contextlib.contextmanager
-def daemons_up(script, directory, needs):
-    """``script up DIR`` (scripts/cluster.sh, scripts/slurm.sh), then ``script down DIR`` on the
-    way out, also on failure and Ctrl-C. A failed or slow start fails the test loudly, naming
-    `needs`: these tests never skip (CI's machine can run them)."""
+def daemons_up(script, directory, needs, *args, env=None):
+    """``script up DIR [args...]`` (scripts/cluster.sh, scripts/slurm.sh) with `env` (None: this
+    process's), then ``script down DIR`` on the way out, also on failure and Ctrl-C. A failed or
+    slow start fails the test loudly, naming `needs`: these tests never skip (CI's machine can
+    run them)."""
     name = os.path.relpath(script, ROOT)
     try:
-        up = subprocess.run([script, "up", str(directory)], capture_output=True, text=True,
-                            timeout=120)
+        up = subprocess.run([script, "up", str(directory), *args], capture_output=True,
+                            text=True, timeout=120, env=env)
     except subprocess.TimeoutExpired as error:
         subprocess.run([script, "down", str(directory)], timeout=60)
         pytest.fail(f"{name} up did not finish in 120 s: {error}")
@@ -260,3 +261,16 @@ def cluster(tmp_path_factory):
     with daemons_up(CLUSTER_SH, directory,
                     "root, network namespaces and scripts/install_cluster_deps.sh"):
         yield Cluster(directory)
+
+
+@pytest.fixture(scope="session")
+def mpi_operator_cluster(tmp_path_factory):
+    """An MPIJob's launcher and 2 worker pods (tests/clusterkit.py, MpiOperatorCluster) for the
+    session; torn down after it (also on failure and Ctrl-C)."""
+    from clusterkit import CLUSTER_SH, MpiOperatorCluster
+
+    directory = tmp_path_factory.mktemp("mpi_operator")
+    with daemons_up(CLUSTER_SH, directory,
+                    "root, network namespaces, overlayfs and scripts/install_cluster_deps.sh",
+                    "mpi-operator", env=MpiOperatorCluster.up_env()):
+        yield MpiOperatorCluster(directory)

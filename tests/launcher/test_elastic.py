@@ -212,6 +212,35 @@ def test_a_blacklisted_host_cools_down_longer_after_each_failure():
     assert discovery.host_of_rank("node1:2,node2:1", 2) == "node2"
 
 
+def test_a_host_mpirun_lost_before_the_first_step_is_blacklisted_and_the_job_restarts(
+        tmp_path, capsys):
+    """A worker pod deleted while the job starts (the MPI Operator's discovery script lists it
+    for up to a minute more): no rank failed, mpirun says it lost the host; the job goes on
+    without it rather than stopping as a program error would."""
+    from mgpu_launcher import elastic, supervisor
+
+    script = elastickit.executable(tmp_path / "discover.sh", "echo w0.job.svc; echo w1.job.svc")
+    options = elastic.Options(script, min_np=2, max_np=4, timeout=5, cooldown=60, bare_slots=2)
+    started = []
+
+    def start(np, hosts_arg, attempt, on_start):
+        started.append(hosts_arg)
+        if len(started) == 1:  # prterun names w1 by its first label, ssh by the whole name
+            return supervisor.Outcome(255, lost_hosts=("w1", "w1.job.svc"))
+        return supervisor.Outcome(0)
+
+    assert elastic.run(options, start) == 0
+    assert started == ["w0.job.svc:2,w1.job.svc:2", "w0.job.svc:2"]
+    assert ("mgpu-train: elastic: w1.job.svc failed: mpirun lost its daemon there, or could not "
+            "start one over ssh; w1.job.svc is blacklisted for 60 s (--blacklist-cooldown)"
+            ) in capsys.readouterr().err
+    # a failure before the first step that no lost host explains is still not restarted
+    started.clear()
+    assert elastic.run(options, lambda *args: started.append(args[1])
+                       or supervisor.Outcome(1)) == 1
+    assert started == ["w0.job.svc:2,w1.job.svc:2"]
+
+
 def _elastic(tmp_path, hosts_file, *argv, samples=64, **env):
     script = elastickit.executable(tmp_path / "discover.sh", f"cat {hosts_file}")
     out = tmp_path / "out"

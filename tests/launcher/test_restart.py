@@ -154,3 +154,74 @@ def test_a_stall_shutdown_names_the_late_rank_and_the_progress_marker_is_not_sho
     assert ("root cause: the job stalled: rank 1 has not entered step 6 for 9 s (last seen in "
             "on_train_batch_end of step 5)") in summary
     assert "last lines of rank 1's stderr:\n    stuck here" in summary
+
+
+# prterun's own lines when an MPI Operator worker pod was deleted mid-run (its sshd and prted
+# SIGKILLed; tests/test_cluster_mpi_operator.py, Open MPI 5.0.11): no rank reports anything.
+POD_DELETED = [
+    "Connection to mgpu-digits-worker-1.mgpu-digits.default.svc closed by remote host.",
+    "------------------------------------------------------------",
+    "A daemon failed to report back after being spawned. This could",
+    "be due to several factors, including inability to find the",
+    "back to prterun:",
+    "",
+    "  Local host:    mgpu-digits-launcher",
+    "  Remote host:   mgpu-digits-worker-1",
+    "  Daemon exit status: 255",
+    "",
+    "------------------------------------------------------------",
+]
+# ... and in another run, after which prterun exited with status 0
+POD_DELETED_EXIT_0 = [
+    "PRTE has lost communication with a remote daemon.",
+    "",
+    "  HNP daemon   : [prterun-mgpu-digits-launcher-16314@0,0] on node mgpu-digits-launcher",
+    "  Remote daemon: [prterun-mgpu-digits-launcher-16314@0,2] on node mgpu-digits-worker-1",
+    "",
+    "This is usually due to either a failure of the TCP network",
+]
+
+
+def test_a_host_mpirun_lost_is_the_root_cause_when_no_rank_names_one():
+    from mgpu_launcher import discovery, mpirun
+
+    assert mpirun.OPENMPI.lost_hosts_in(POD_DELETED) == [
+        "mgpu-digits-worker-1.mgpu-digits.default.svc", "mgpu-digits-worker-1"]
+    assert mpirun.OPENMPI.lost_hosts_in([
+        "ssh: connect to host node2 port 2222: Connection refused",
+        "ssh: Could not resolve hostname node3: Name or service not known",
+        "  Remote daemon: [prterun-vm-1234@2] on node node4"]) == ["node2", "node3", "node4"]
+    assert mpirun.OPENMPI.lost_hosts_in(POD_DELETED_EXIT_0) == ["mgpu-digits-worker-1"]
+    assert mpirun.MPICH.lost_hosts_in(POD_DELETED) == []
+    # prterun shortens the name it was given; ssh keeps it: both are the same host of the -H list
+    hosts = ("mgpu-digits-worker-0.mgpu-digits.default.svc:2,"
+             "mgpu-digits-worker-1.mgpu-digits.default.svc:2")
+    assert discovery.hosts_named(mpirun.OPENMPI.lost_hosts_in(POD_DELETED), hosts) == [
+        "mgpu-digits-worker-1.mgpu-digits.default.svc"]
+    assert discovery.hosts_named(["node2"], "node2.a:1,node2.b:1") == []  # which one: unknown
+    assert discovery.hosts_named(["node2"], "node1:2,node2:2") == ["node2"]
+    assert discovery.hosts_named(["mgpu-digits-launcher"], hosts) == []
+    summary = _relay(*POD_DELETED).summary(255)
+    assert summary.splitlines()[1] == (
+        "  root cause: mpirun lost or could not reach "
+        "mgpu-digits-worker-1.mgpu-digits.default.svc, mgpu-digits-worker-1: its daemon there "
+        "ended or did not start (the host went away, or ssh to it failed); see mpirun's "
+        "messages above."), summary
+
+
+def test_mpirun_exiting_0_after_losing_a_host_is_a_failed_job():
+    import io
+    import sys
+
+    from mgpu_launcher import mpirun, supervisor
+
+    # stands in for prterun: its own lines as a real one printed them, then exit status 0
+    said = "; ".join(f"print({line!r})" for line in POD_DELETED_EXIT_0)
+    err = io.StringIO()
+    outcome = supervisor.supervise([sys.executable, "-c", said], mpirun.OPENMPI,
+                                   stdout=io.StringIO(), stderr=err)
+    assert (outcome.status, outcome.lost_hosts) == (1, ("mgpu-digits-worker-1",))
+    assert "root cause: mpirun lost or could not reach mgpu-digits-worker-1: " in err.getvalue()
+    ok = supervisor.supervise([sys.executable, "-c", "print('done')"], mpirun.OPENMPI,
+                              stdout=io.StringIO(), stderr=io.StringIO())
+    assert (ok.status, ok.lost_hosts) == (0, ())
