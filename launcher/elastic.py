@@ -33,12 +33,12 @@ import dataclasses
 import os
 import shlex
 import signal
-import sys
 import threading
 import time
-from typing import Callable, Optional, Set, Tuple
+from typing import Callable, Optional, Set
 
-from mgpu_launcher import discovery, settings, supervisor
+from mgpu_launcher import discovery, elastic_failures, settings, supervisor
+from mgpu_launcher.elastic_failures import say
 from mgpu_launcher.worker import ELASTIC_VARIABLE, RESIZE_SIGNAL
 
 PROG = "mgpu-train"
@@ -127,10 +127,6 @@ def options_from(np: int, min_np: Optional[str], max_np: Optional[str], script: 
 def discovery_interval() -> float:
     """MGPU_DISCOVERY_INTERVAL: seconds between discovery runs while waiting or training."""
     return max(0.2, settings.seconds("MGPU_DISCOVERY_INTERVAL"))
-
-
-def say(text: str) -> None:
-    print(f"{PROG}: elastic: {text}", file=sys.stderr, flush=True)
 
 
 class _Noted:
@@ -246,7 +242,8 @@ def run(options: Options, start: Callable, max_restarts: int = DEFAULT_MAX_RESTA
         max_restarts: restarts after failures allowed (resizes asked by mgpu-train are not
             counted; at most :data:`MAX_RESIZES` of them). Two failed attempts in a row with
             the same error and the same last backup point end the loop early (see
-            :func:`_repeated`), unless ``options.stop_repeated`` is off.
+            :func:`mgpu_launcher.elastic_failures.repeated`), unless ``options.stop_repeated``
+            is off.
     """
     blacklist = discovery.Blacklist(options.cooldown)
     note = _Noted()
@@ -283,13 +280,14 @@ def run(options: Options, start: Callable, max_restarts: int = DEFAULT_MAX_RESTA
                 return 1
             continue
         lost = discovery.hosts_named(outcome.lost_hosts, hosts_arg)
-        why = _lost(lost, blacklist) if lost else _failed(outcome, hosts_arg, blacklist)
-        if not outcome.progressed and not _killed(outcome) and not lost:
+        why = (elastic_failures.lost(lost, blacklist) if lost
+               else elastic_failures.failed(outcome, hosts_arg, blacklist))
+        if not outcome.progressed and not elastic_failures.killed(outcome) and not lost:
             say(f"not restarting: the job failed before its first training step was done "
                 f"({why}), so every restart would fail the same way. Fix the error above.")
             return status
         failures += 1
-        seen = _repeated(outcome, point)
+        seen = elastic_failures.repeated(outcome, point)
         if options.stop_repeated and seen is not None and seen == last:
             where = (f"after the same backup point ({point})" if point else
                      "with no backup point reported by the job (each attempt starts over)")
@@ -306,50 +304,6 @@ def run(options: Options, start: Callable, max_restarts: int = DEFAULT_MAX_RESTA
                 f"(--max-restarts)")
             return status
     return status
-
-
-def _repeated(outcome, point: Optional[str]) -> Optional[Tuple[str, Optional[str]]]:
-    """What identifies a failure that would come back the same after a restart, or None.
-
-    Only an error the failing rank reported itself (an exception, an exit code: its
-    ``worker.FAILURE_MARKER``), with the job's last backup point (where a restart resumes;
-    None when the job reported none). Not a process killed by a signal or a stall: a host lost
-    or a process killed from outside says nothing about the next attempt.
-
-    Returns:
-        ``(error text, backup point)``, or None.
-    """
-    if outcome.cause is None or outcome.cause.stall or _killed(outcome):
-        return None
-    return outcome.cause.reason, point
-
-
-def _killed(outcome) -> bool:
-    return bool(outcome.cause and outcome.cause.reason.startswith("killed by signal"))
-
-
-def _lost(hosts, blacklist: discovery.Blacklist) -> str:
-    """Blacklist the hosts mpirun lost (their ranks' failures follow from it); the reason."""
-    for host in hosts:
-        seconds = blacklist.add(host)
-        say(f"{host} failed: mpirun lost its daemon there, or could not start one over ssh; "
-            f"{host} is blacklisted for {seconds:g} s (--blacklist-cooldown)")
-    return f"{', '.join(hosts)} failed (mpirun lost {'them' if len(hosts) > 1 else 'it'})"
-
-
-def _failed(outcome, hosts_arg: str, blacklist: discovery.Blacklist) -> str:
-    """Describe the failure, and blacklist the host of the rank that failed first."""
-    cause = outcome.cause
-    if cause is None or cause.stall:
-        return (f"the job stalled: {cause.reason}" if cause
-                else f"the job failed (exit status {outcome.status})")
-    host = discovery.host_of_rank(hosts_arg, cause.rank)
-    if host is None:
-        return f"rank {cause.rank} failed: {cause.reason}"
-    seconds = blacklist.add(host)
-    say(f"{host} failed: rank {cause.rank} {cause.reason}; {host} is blacklisted for "
-        f"{seconds:g} s (--blacklist-cooldown)")
-    return f"{host} failed (rank {cause.rank}: {cause.reason})"
 
 
 def add_arguments(parser) -> None:

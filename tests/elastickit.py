@@ -138,3 +138,33 @@ def finish_state_job(process, timeout: float = 240) -> Tuple[int, str]:
     """Wait for a :func:`start_state_job` job; returns (exit code, its output for messages)."""
     stdout, stderr = process.communicate(timeout=timeout)
     return process.returncode, f"exit {process.returncode}\n{stdout}\n{stderr}"
+
+
+def start_resize_job(tmp_path, hosts_file, *argv: str, samples: int = 64, **env):
+    """Start ``mgpu-train ARGV --host-discovery-script S resize_ids.py ...`` in elastic mode,
+    S printing `hosts_file`'s lines; returns (the Popen, the folder of its logs).
+
+    Example:
+        >>> proc, out = start_resize_job(tmp, hosts, "-np", "2", "--min-np", "1", **ENV)
+    """
+    import os
+    import sys
+
+    from conftest import ROOT, SCRIPTS, job_env
+    script = executable(tmp_path / "discover.sh", f"cat {hosts_file}")
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mgpu_launcher", *argv, "--host-discovery-script", script,
+         os.path.join(SCRIPTS, "resize_ids.py"), str(tmp_path / "backup"), str(out)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=job_env(**{"MGPU_DISCOVERY_INTERVAL": "0.5", "RESIZE_STEP_SECONDS": "0.5",
+                       "RESIZE_SAMPLES": str(samples), **env}))
+    return proc, out
+
+
+def nothing_left(out) -> None:
+    """Fail when a process of the job (its command line names `out`) is still alive."""
+    from conftest import processes_mentioning
+    left = processes_mentioning(str(out))
+    assert not left, f"processes of the job still alive: {left}"
