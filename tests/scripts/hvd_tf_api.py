@@ -12,6 +12,7 @@ import os
 import sys
 
 import numpy as np
+from reported import plain
 
 import mgpu_launch.tensorflow as hvd
 
@@ -58,14 +59,6 @@ def collectives():
                                         else [2, 1]),
         "sparse_values": sparse.values, "sparse_indices": sparse.indices,
     }
-
-
-def plain(value):
-    if isinstance(value, dict):
-        return {key: plain(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(item) for item in value]
-    return np.asarray(value).tolist()
 
 
 report["eager"] = plain(collectives())

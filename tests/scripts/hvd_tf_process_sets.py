@@ -13,6 +13,7 @@ import os
 import sys
 
 import numpy as np
+from reported import error_of, plain
 
 import mgpu_launch.tensorflow as hvd
 
@@ -53,22 +54,6 @@ def collectives():
     if first_three.included():
         result["first_three"] = hvd.allreduce(value(rank), op=hvd.Sum, process_set=first_three)
     return result
-
-
-def plain(value):
-    if isinstance(value, dict):
-        return {key: plain(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(item) for item in value]
-    return np.asarray(value).tolist()
-
-
-def error_of(call):
-    try:
-        call()
-    except Exception as error:  # noqa: BLE001 - the report names whatever was raised
-        return [type(error).__name__, str(error)]
-    return None
 
 
 report = {"eager": plain(collectives()), "graph": plain(tf.function(collectives)()),

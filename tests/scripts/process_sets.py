@@ -10,6 +10,7 @@ import os
 import sys
 
 import numpy as np
+from reported import error_of
 
 import mgpu_launch as mgpu
 
@@ -17,14 +18,6 @@ import mgpu_launch as mgpu
 def value(rank):
     """Rank `rank`'s contribution (the test computes the same numbers by hand)."""
     return np.array([rank + 1.0, 10.0 * (rank + 1), -float(rank)])
-
-
-def error_of(call):
-    try:
-        call()
-    except Exception as error:  # noqa: BLE001 - the report names whatever was raised
-        return [type(error).__name__, str(error)]
-    return None
 
 
 def within(process_set):
