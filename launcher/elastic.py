@@ -41,7 +41,6 @@ from mgpu_launcher import discovery, elastic_failures, settings, supervisor
 from mgpu_launcher.elastic_failures import say
 from mgpu_launcher.worker import ELASTIC_VARIABLE, RESIZE_SIGNAL
 
-PROG = "mgpu-train"
 DEFAULT_TIMEOUT_S = settings.SETTINGS["MGPU_ELASTIC_TIMEOUT"].default
 DEFAULT_COOLDOWN_S = settings.SETTINGS["MGPU_BLACKLIST_COOLDOWN"].default
 DEFAULT_MAX_RESTARTS = 10

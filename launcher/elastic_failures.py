@@ -5,8 +5,7 @@ import sys
 from typing import Optional, Tuple
 
 from mgpu_launcher import discovery
-
-PROG = "mgpu-train"
+from mgpu_launcher.usage import PROG
 
 
 def say(text: str) -> None:
