@@ -224,7 +224,8 @@ SETTINGS: Dict[str, Setting] = _declare(
       "the efficiency report rank 0 prints at the end of `fit` (verbose >= 1): samples/s and "
       "where the lost time goes; set it alike on every rank"),
     _("MGPU_PROFILE_SKIP_ALLREDUCE", "flag", False, RANKS,
-      "JAX, profiling only: skip the gradient allreduce (the gradients are then wrong)"),
+      "JAX and TensorFlow, profiling only: skip the gradient allreduce (the gradients are "
+      "then wrong)"),
     _("MGPU_JAX_COORDINATOR", "address", None, RANKS,
       "JAX: the coordinator's address (rank 0's host)", **_HOST_PORT),
     _("MGPU_JAX_INIT_TIMEOUT", "seconds", 60.0, RANKS,

@@ -96,11 +96,17 @@ def get_parser() -> argparse.ArgumentParser:
     add("--native", action="store_true",
         help="also run torchvision ResNet-50 + DDP (needs torch, torchvision and GPUs); "
              "the same as adding native to --backend")
+    add("--steps-per-execution", default="1",
+        help="comma-separated Keras steps_per_execution values, one row each (default: 1)")
+    add("--recorder", default="on",
+        help="off,on: one row with the timeline recorder off (MGPU_EFFICIENCY_REPORT=0) and one "
+             "with it on: what it costs; the on row keeps its efficiency report and writes its "
+             "trace to logs/ (default: on, what users get)")
     add("--compression", default="none", choices=["none", "fp16", "bf16"],
         help="the gradients' wire format (mgpu.Compression; default: %(default)s)")
     add("--profile", action="store_true",
         help="per rank, where the step time goes: input, waiting for other ranks, step, and "
-             "(JAX) the exposed allreduce; an extra fit per input mode "
+             "(JAX, TensorFlow) the exposed allreduce; an extra fit per input mode "
              "(mgpu_launch/bench/profile.py)")
     add("--cpu", action="store_true",
         help="run on CPU processes (no GPU needed; use a small model such as mlp-tiny)")
@@ -135,6 +141,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.data_formats = _split(parser, "--data-format", args.data_format, DATA_FORMATS)
     args.prefetch_depths = _split(parser, "--prefetch", args.prefetch, kind=int)
     args.cuda_graphs = _split(parser, "--cuda-graph", args.cuda_graph, ("0", "1"))
+    args.executions = _split(parser, "--steps-per-execution", args.steps_per_execution, kind=int)
+    args.recorders = _split(parser, "--recorder", args.recorder, ("off", "on"))
+    if min(args.executions) < 1:
+        parser.error(f"--steps-per-execution {args.steps_per_execution!r}: expected integers "
+                     f">= 1, e.g. 1,8")
     if min(args.gpu_counts) < 1 or min(args.prefetch_depths) < 0:
         parser.error(f"--gpus {args.gpus!r} / --prefetch {args.prefetch!r}: expected process "
                      f"counts >= 1 and prefetch depths >= 0")
@@ -166,7 +177,9 @@ def _job(args, backend: str, model: str, precision: str, data_format: str, gpus:
               "--warmup-steps", str(args.warmup_steps), "--window", str(args.window),
               "--data", ",".join(args.data_modes),
               "--prefetch", ",".join(map(str, args.prefetch_depths)),
-              "--cuda-graph", ",".join(args.cuda_graphs)]
+              "--cuda-graph", ",".join(args.cuda_graphs),
+              "--steps-per-execution", ",".join(map(str, args.executions)),
+              "--recorder", ",".join(args.recorders)]
     if args.batch_per_gpu:
         worker += ["--batch-per-gpu", str(args.batch_per_gpu)]
     if args.profile:
@@ -279,7 +292,8 @@ def run_all(args) -> int:
                 replayed = (row.get("cuda_graph_steps") or {}).get("replayed", 0)
                 shown += "+cudagraph" if replayed else "+cudagraph-fell-back"
             rows.append(dict(row, backend=shown, precision=precision, gpus=gpus))
-            print(f"    {shown} {row['data']}{layout}, prefetch {row['prefetch']}: "
+            variant = f", {row['variant']}" if row.get("variant") else ""
+            print(f"    {shown} {row['data']}{layout}, prefetch {row['prefetch']}{variant}: "
                   f"{row['img_per_sec']:.0f} img/s", flush=True)
         print(f"    done in {time.monotonic() - started:.0f} s", flush=True)
         if number < len(jobs):  # keep what is measured if the invocation is cut short

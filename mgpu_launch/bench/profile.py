@@ -11,7 +11,7 @@ rank to dispatch is the one the collective waits for. Per rank, medians over the
   the rank with ~0 while the others wait);
 - ``step_ms``: from the last rank's dispatch to this rank's finish: compute plus the exposed
   collective;
-- ``compute_ms`` (JAX): dispatch to finish with the gradient allreduce left out of the
+- ``compute_ms`` (JAX, TensorFlow): dispatch to finish with the gradient allreduce left out of the
   compiled step (``MGPU_PROFILE_SKIP_ALLREDUCE``'s switch), so ``comm_ms = step_ms -
   compute_ms`` is the communication that backward did not hide.
 
@@ -78,7 +78,8 @@ def breakdown(steps: List[tuple], gather=None) -> List[Dict[str, float]]:
 
 
 def skip_allreduce(model, skip: bool) -> bool:
-    """Leave the gradient allreduce out of `model`'s next compiled step (JAX engine only).
+    """Leave the gradient allreduce out of `model`'s next compiled step (the JAX and
+    TensorFlow engines; torch's overlaps the backward pass, which this would not measure).
 
     Returns:
         Whether the engine supports it; when it does, the train function is rebuilt.

@@ -4,7 +4,8 @@ import json
 import os
 from typing import Dict, List, Tuple
 
-SERIES = ("backend", "model", "precision", "data_format", "data", "prefetch", "batch_per_gpu")
+SERIES = ("backend", "model", "precision", "data_format", "data", "prefetch", "batch_per_gpu",
+          "variant")
 #: how the reference rows are named; the others are "Keras <backend>"
 NAMES = {"native": "native torch DDP", "mirrored": "Keras + tf.distribute.MirroredStrategy"}
 
@@ -19,9 +20,10 @@ def series_of(row: dict) -> Tuple:
 
 
 def label_of(key: Tuple) -> str:
-    backend, model, precision, data_format, data, prefetch, batch = key
+    backend, model, precision, data_format, data, prefetch, batch, variant = key
     feed = "device-resident" if data == "device" and backend != "mirrored" else (
         f"{data}, prefetch {prefetch}" if prefetch is not None else data)
+    feed += f", {variant}" if variant else ""  # --recorder, --steps-per-execution
     name = NAMES.get(backend, f"Keras {backend}")
     layout = f" {data_format}" if data_format else ""  # rows of older results have none
     return f"{name} {model} {precision}{layout} ({feed}, batch {batch}/GPU)"
@@ -64,8 +66,8 @@ def markdown(header: dict, rows: List[dict]) -> str:
     lines = [f"# mgpu-bench results, {header.get('date', '')}", ""]
     lines += [f"- {key}: `{value}`" if key == "command" else f"- {key}: {value}"
               for key, value in header.items()]
-    lines += ["", "| backend | model | precision | data format | data | prefetch | batch/GPU | "
-              "gpus | img/s | per rank | speedup | efficiency |", "|" + "---|" * 12]
+    lines += ["", "| backend | model | precision | data format | data | prefetch | variant | "
+              "batch/GPU | gpus | img/s | per rank | speedup | efficiency |", "|" + "---|" * 13]
     for r in rows:
         eff = f"{100 * r['efficiency']:.1f}%" if r["efficiency"] is not None else "-"
         speedup = f"{r['speedup']:.2f}" if r["speedup"] is not None else "-"
@@ -73,7 +75,8 @@ def markdown(header: dict, rows: List[dict]) -> str:
         prefetch = "-" if r["prefetch"] is None else r["prefetch"]
         lines.append(f"| {r['backend']} | {r['model']} | {r['precision']} | "
                      f"{r.get('data_format', '-')} | {r['data']} | "
-                     f"{prefetch} | {r['batch_per_gpu']} | {r['gpus']} | "
+                     f"{prefetch} | {r.get('variant') or '-'} | {r['batch_per_gpu']} | "
+                     f"{r['gpus']} | "
                      f"{r['img_per_sec']:.0f} | {per_rank} | {speedup} | {eff} |")
     return "\n".join(lines + profile_table(rows)) + "\n"
 
@@ -88,13 +91,14 @@ def profile_table(rows: List[dict]) -> List[str]:
         return []
     lines = ["", "Where the step time goes (`--profile`: every step waited for; medians, ms; "
              "see mgpu_launch/bench/profile.py):", "",
-             "| backend | precision | data format | data | gpus | rank | "
-             + " | ".join(PROFILE_COLUMNS) + " |", "|" + "---|" * (6 + len(PROFILE_COLUMNS))]
+             "| backend | precision | data format | data | variant | gpus | rank | "
+             + " | ".join(PROFILE_COLUMNS) + " |", "|" + "---|" * (7 + len(PROFILE_COLUMNS))]
     for r in profiled:
         for rank, p in enumerate(r["per_rank_profile"]):
             values = " | ".join(str(p.get(c, "-")) for c in PROFILE_COLUMNS)
             lines.append(f"| {r['backend']} | {r['precision']} | {r.get('data_format', '-')} | "
-                         f"{r['data']} | {r['gpus']} | {rank} | {values} |")
+                         f"{r['data']} | {r.get('variant') or '-'} | {r['gpus']} | {rank} | "
+                         f"{values} |")
     return lines
 
 

@@ -16,8 +16,10 @@ import statistics
 import time
 
 import mgpu_launch as mgpu
+from mgpu_launch import runtime
 from mgpu_launch.bench import profile
 from mgpu_launch.bench.models import MODELS
+from mgpu_launch.runtime import timeline
 
 
 DATA_FORMATS = ("channels_last", "channels_first")
@@ -42,6 +44,13 @@ def get_parser(description: str = __doc__.split("\n\n")[0]) -> argparse.Argument
                         help="torch: comma-separated MGPU_TORCH_CUDA_GRAPH values (0, 1)")
     parser.add_argument("--data-format", default="channels_last", choices=DATA_FORMATS,
                         help="keras.config.set_image_data_format before the model is built")
+    parser.add_argument("--steps-per-execution", default="1",
+                        help="comma-separated: one row per value (the model's "
+                             "steps_per_execution, its train function rebuilt)")
+    parser.add_argument("--recorder", default="on",
+                        help="comma-separated off,on: one row each with the timeline recorder "
+                             "(the efficiency report, MGPU_EFFICIENCY_REPORT) off / on; an on "
+                             "row keeps its report and writes its trace beside --result")
     return parser
 
 
@@ -66,7 +75,9 @@ def synthetic_batches(np, spec, shape, batch: int, seed: int) -> dict:
 
 def make_window_timer(keras, args, total: int, report=progress):
     """The throughput clock of every Keras row: the loss is read back (waiting for the device)
-    when the warm-up ends and every ``args.window`` steps after it; ``.stamps`` are the times."""
+    when the warm-up ends and every ``args.window`` steps after it; ``.stamps`` are the times.
+    With ``steps_per_execution`` k, Keras calls it once per k steps: the window and warm-up
+    must then be multiples of k (:func:`timing_for`)."""
 
     class WindowTimer(keras.callbacks.Callback):
         def __init__(self):
@@ -84,6 +95,15 @@ def make_window_timer(keras, args, total: int, report=progress):
     return WindowTimer()
 
 
+def timing_for(args, steps_per_execution: int) -> argparse.Namespace:
+    """`args` with the warm-up, window and timed steps rounded up to multiples of
+    `steps_per_execution` (Keras reports to callbacks once per execution)."""
+    def up(count: int) -> int:
+        return -(-count // steps_per_execution) * steps_per_execution
+    return argparse.Namespace(**dict(vars(args), warmup_steps=up(args.warmup_steps),
+                                     window=up(args.window), steps=up(args.steps)))
+
+
 def median_rate(stamps, window: int, samples_per_step: int) -> float:
     """Samples per second of the median window between consecutive `stamps`."""
     return statistics.median(window * samples_per_step / (t1 - t0)
@@ -95,6 +115,8 @@ def main(argv=None) -> None:
     mgpu.init()  # before Keras touches a device (JAX)
     import keras
     import numpy as np
+
+    from mgpu_launch.training import efficiency  # imports Keras
 
     spec = MODELS[args.model]
     batch = args.batch_per_gpu or spec.batch_per_gpu
@@ -109,24 +131,24 @@ def main(argv=None) -> None:
     shape = spec.shape(args.data_format)
     synthetic = synthetic_batches(np, spec, shape, batch, seed=mgpu.rank())
     host, host_uint8 = synthetic["host"], synthetic["host-uint8"]
-    total = args.warmup_steps + args.steps
     progress(f"{args.model} built ({model.count_params() / 1e6:.2f}M parameters) in "
-             f"{time.monotonic() - started:.0f} s; {total} steps per input mode, batch "
-             f"{batch} per process")
+             f"{time.monotonic() - started:.0f} s; {args.warmup_steps + args.steps} steps per "
+             f"input mode, batch {batch} per process")
 
     class Batches(keras.utils.PyDataset):
-        def __init__(self, mode: str):
+        def __init__(self, mode: str, total: int):
             super().__init__()
+            self.total = total
             self.batches = {"device": [tuple(keras.ops.convert_to_tensor(a) for a in host[0])],
                             "host": host, "host-uint8": host_uint8}[mode]
 
         def __len__(self):
-            return total
+            return self.total
 
         def __getitem__(self, index):
             return self.batches[index % len(self.batches)]
 
-    def fit(mode: str, timer) -> None:
+    def fit(mode: str, total: int, callbacks) -> None:
         if mode == "numpy":
             x = np.empty((total * batch,) + shape, np.float32)
             y = np.empty((total * batch,), np.int32)
@@ -134,25 +156,30 @@ def main(argv=None) -> None:
                 x[index * batch:(index + 1) * batch], y[index * batch:(index + 1) * batch] = \
                     host[index % len(host)]
             model.fit(x, y, batch_size=batch, epochs=1, shuffle=True, verbose=0,
-                      callbacks=[timer])
+                      callbacks=callbacks)
         else:
-            model.fit(Batches(mode), epochs=1, verbose=0, callbacks=[timer])
+            model.fit(Batches(mode, total), epochs=1, verbose=0, callbacks=callbacks)
 
-    def rate(mode: str) -> float:
-        timer = make_window_timer(keras, args, total)
+    def rate(mode: str, timing, recorded: bool) -> tuple:
+        """(this rank's img/s, the efficiency report's text on rank 0 of a recorded row)."""
+        total = timing.warmup_steps + timing.steps
+        timer = make_window_timer(keras, timing, total)
+        report = efficiency.EfficiencyReport(batch) if recorded else None
         step_timer.reset()
-        fit(mode, timer)
-        return median_rate(timer.stamps, args.window, batch)
+        fit(mode, total, [timer] + ([report] if report else []))
+        text = efficiency.render(report.figures) if report and report.figures else None
+        return median_rate(timer.stamps, timing.window, batch), text
 
-    def profiled(mode: str) -> dict:
+    def profiled(mode: str, timing) -> dict:
         """Per rank input / wait / step ms (and compute ms where the allreduce can be left out)."""
-        clock = profile.make_callback(keras, args.warmup_steps)
-        fit(mode, clock)
+        total = timing.warmup_steps + timing.steps
+        clock = profile.make_callback(keras, timing.warmup_steps)
+        fit(mode, total, [clock])
         ranks = profile.breakdown(clock.steps)
         if profile.skip_allreduce(model, True):
             progress(f"data {mode}: profile without the allreduce (recompiles)")
-            alone = profile.make_callback(keras, args.warmup_steps)
-            fit(mode, alone)
+            alone = profile.make_callback(keras, timing.warmup_steps)
+            fit(mode, total, [alone])
             profile.skip_allreduce(model, False)
             for mine, without in zip(ranks, profile.breakdown(alone.steps)):
                 mine["compute_ms"] = without["own_ms"]
@@ -162,20 +189,34 @@ def main(argv=None) -> None:
     rows = []
     step_timer = StepTimer(keras.backend.backend())
     graphs = args.cuda_graph.split(",") if keras.backend.backend() == "torch" else ["0"]
-    for graph in graphs:
+    # Once recording starts it stays on for the job: the rows without it run first.
+    recorders = sorted(set(args.recorder.split(",")), key=("off", "on").index)
+    for graph, executions in [(g, int(k)) for g in graphs
+                              for k in args.steps_per_execution.split(",")]:
         os.environ["MGPU_TORCH_CUDA_GRAPH"] = graph
+        model.steps_per_execution = executions
+        timing = timing_for(args, executions)
         model.make_train_function(force=True)
         graphed = model.train_function  # a GraphedTrainStep when capture is on (torch)
         model.train_function = step_timer.wrap(graphed)
         for mode in args.data.split(","):
             depths = [int(d) for d in args.prefetch.split(",")]
-            for depth in depths[:1] if mode == "device" else depths:
+            for depth, recorder in [(d, r) for d in (depths[:1] if mode == "device" else depths)
+                                    for r in recorders]:
                 os.environ["MGPU_PREFETCH"] = str(depth)
-                progress(f"data {mode}, prefetch {depth}, cuda graph {graph}: fit")
-                per_rank = mgpu.allgather_object(rate(mode))
+                os.environ["MGPU_EFFICIENCY_REPORT"] = "1" if recorder == "on" else "0"
+                variant = ", ".join(filter(None, [
+                    f"recorder {recorder}" if len(recorders) > 1 else "",
+                    f"steps_per_execution {executions}" if executions > 1 else ""])) or None
+                name = f"data {mode}, prefetch {depth}, cuda graph {graph}" + (
+                    f", {variant}" if variant else "")
+                progress(f"{name}: fit")
+                mine, text = rate(mode, timing, recorder == "on")
+                per_rank = mgpu.allgather_object(mine)
                 host_ms, device_ms = step_timer.medians()
                 rows.append({"model": args.model, "data": mode, "prefetch": depth,
-                             "compression": args.compression,
+                             "compression": args.compression, "variant": variant,
+                             "recorder": recorder == "on", "steps_per_execution": executions,
                              "data_format": keras.config.image_data_format(),
                              "batch_per_gpu": batch, "params": model.count_params(),
                              "img_per_sec": round(sum(per_rank), 1),
@@ -186,14 +227,19 @@ def main(argv=None) -> None:
                              "step_ms": round(1000 * batch * len(per_rank) / sum(per_rank), 2),
                              "train_function_host_ms": host_ms,
                              "train_function_device_ms": device_ms})
-                progress(f"data {mode}, prefetch {depth}, cuda graph {graph}: "
-                         f"{sum(per_rank):.0f} img/s; in the train function {host_ms} ms host, "
-                         f"{device_ms} ms device per step")
+                progress(f"{name}: {sum(per_rank):.0f} img/s; in the train function {host_ms} "
+                         f"ms host, {device_ms} ms device per step")
+                if recorder == "on" and len(recorders) > 1:
+                    trace = timeline.write(f"{args.result[:-5]}.timeline-{mode}.json",
+                                           runtime.state)
+                    rows[-1].update(efficiency_report=text, timeline=trace)
+                    for line in (text or "(no efficiency report)").splitlines():
+                        progress(line)
                 if args.profile:
-                    progress(f"data {mode}, prefetch {depth}: profile, every step waited for")
-                    rows[-1].update(profiled(mode))
+                    progress(f"{name}: profile, every step waited for")
+                    rows[-1].update(profiled(mode, timing))
                     model.train_function = step_timer.wrap(graphed)
-                    progress(f"data {mode}, prefetch {depth}: profile " + "; ".join(
+                    progress(f"{name}: profile " + "; ".join(
                         f"rank {r}: " + ", ".join(f"{k} {v}" for k, v in p.items())
                         for r, p in enumerate(rows[-1]["per_rank_profile"])))
     if mgpu.is_chief():

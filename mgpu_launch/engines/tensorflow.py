@@ -79,6 +79,8 @@ class TensorFlowEngine(Engine):
         self.implementation = settings.choice("MGPU_TF_COLLECTIVE")
         self.timeout = settings.seconds("MGPU_COLLECTIVE_TIMEOUT")
         self.sparse_gather = settings.choice("MGPU_TF_SPARSE_GATHER")
+        #: profiling only (mgpu-bench --profile): the step without its gradient sum
+        self.skip_allreduce = settings.flag("MGPU_PROFILE_SKIP_ALLREDUCE")
         self.size = 1
         self.comm = None
         self._instance_key = self._ordering_token = None
@@ -234,6 +236,8 @@ class TensorFlowEngine(Engine):
     def _sum_flat(self, flat, group):
         import tensorflow as tf
 
+        if self.skip_allreduce:  # what the sum would give if every rank held this buffer
+            return flat * tf.cast(group.size, flat.dtype)
         if self.transport == "mpi":
             comm = group.comm
 

@@ -219,9 +219,13 @@ def batch_size_of(arguments: Dict[str, Any]) -> Optional[int]:
 def add_report(arguments: Dict[str, Any]) -> None:
     """Append an :class:`EfficiencyReport` to the callbacks of a ``fit`` call (its bound
     arguments; called by the ``fit`` patch on every rank when ``MGPU_EFFICIENCY_REPORT`` is
-    on)."""
-    report = EfficiencyReport(batch_size_of(arguments))
+    on), unless the caller passed one (to read its ``figures``)."""
     callbacks = arguments.get("callbacks")
+    listed = callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList) \
+        else callbacks or []
+    if any(isinstance(callback, EfficiencyReport) for callback in listed):
+        return
+    report = EfficiencyReport(batch_size_of(arguments))
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks.append(report)
     else:
