@@ -219,6 +219,31 @@ class JaxEngine(Engine):
                 result[i] = total[offset:offset + size].reshape(tensors[i].shape)
         return result
 
+    def gradient_reduction_runner(self, variables, reduction: dict):
+        """The reduction under shard_map and jit, as in the step (psum, the same fusion and
+        compression), on replicated zeros; compiled here, each run waits for its result."""
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        def reduce_all(values):
+            return self.reduce_gradients(list(values), variables, **reduction)
+        mapped = jax.shard_map(reduce_all, mesh=self.mesh, in_specs=(PartitionSpec(),),
+                               out_specs=PartitionSpec(), check_vma=False)
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        zeros = [jax.make_array_from_single_device_arrays(
+            tuple(v.shape), replicated, [jax.device_put(jnp.zeros(v.shape, v.dtype), self.device)])
+            for v in variables]
+        self._in_step = True  # allreduce refuses to trace outside the step
+        try:
+            compiled = jax.jit(mapped).lower(zeros).compile()
+        finally:
+            self._in_step = False
+        return lambda: jax.block_until_ready(compiled(zeros))
+
+    def overlaps_backward(self) -> bool:
+        return self.computes_on_accelerator()  # XLA's GPU scheduler may start it early
+
     def cond_update(self, predicate, update, variables) -> None:
         """``update()`` when `predicate`, else nothing, for code run in Keras's stateless step.
 
