@@ -284,6 +284,12 @@ class JaxEngine(Engine):
         replicated = jax.sharding.NamedSharding(self.mesh, PartitionSpec())
         split = jax.sharding.NamedSharding(self.mesh, PartitionSpec(AXIS))
         produced = []  # the state this function returned last: already global
+        # The logs of the steps dispatched last, oldest first. Dispatch is asynchronous and
+        # unbounded: on CPU rank 0 had queued 23 steps in 0.3 s that took 10 s to run, so the
+        # host's step phases (stall inspector, timeline, efficiency report) said nothing of the
+        # steps. At most two in flight: the host keeps pace with the device, which still has
+        # the next step queued while the host dispatches (no idle device).
+        in_flight = []
 
         def as_global(value, sharding, shape):
             if not isinstance(value, jax.Array) or value.devices() != {self.device}:
@@ -294,6 +300,8 @@ class JaxEngine(Engine):
             if not (produced and state is produced[0]):
                 state = jax.tree.map(lambda v: as_global(v, replicated, np.shape(v)), state)
             self._check_batch(batch)
+            if len(in_flight) == 2:
+                jax.block_until_ready(in_flight.pop(0))
             batch = jax.tree.map(
                 lambda v: as_global(v, split, (self.size * v.shape[0],) + tuple(v.shape[1:])),
                 batch)
@@ -303,6 +311,7 @@ class JaxEngine(Engine):
             finally:
                 self._in_step = False
             produced[:] = [state]
+            in_flight.append(logs)
             return localize(logs), state
 
         return step
