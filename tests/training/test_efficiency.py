@@ -44,8 +44,8 @@ def test_a_slow_input_is_named_input(tmp_path):
     report = report_of(result.stdout)
     assert report["input wait"] >= 50, result.stdout
     assert report["input wait"] > report["waiting for a slower rank"] + report["the rest"]
-    # 22 steps analysed: the allreduce was timed, and a model this small spends little there
-    assert report.get("communication", 100) < 10, result.stdout
+    # 22 steps analysed: the allreduce was timed (the line is there), and it is not the verdict
+    assert report.get("communication", 100) < report["input wait"], result.stdout
     assert report["advice"].startswith("input:"), result.stdout
 
 
@@ -73,7 +73,7 @@ def test_a_slow_rank_is_named_and_the_trace_has_one_aligned_track_per_rank(tmp_p
     report = report_of(result.stdout)
     assert report["waiting for a slower rank"] >= 40, result.stdout
     assert report["who"]["waiting for a slower rank"].startswith("rank 1,"), result.stdout
-    assert report.get("communication", 100) < 10, result.stdout
+    assert report.get("communication", 100) < report["waiting for a slower rank"], result.stdout
     assert report["advice"].startswith("rank 1 is"), result.stdout
 
     document = json.loads(trace.read_text())
