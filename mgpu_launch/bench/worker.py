@@ -116,7 +116,7 @@ def main(argv=None) -> None:
     import keras
     import numpy as np
 
-    from mgpu_launch.training import efficiency  # imports Keras
+    from mgpu_launch.training import efficiency, efficiency_report  # imports Keras
 
     spec = MODELS[args.model]
     batch = args.batch_per_gpu or spec.batch_per_gpu
@@ -164,7 +164,7 @@ def main(argv=None) -> None:
         """(this rank's img/s, the efficiency report's text on rank 0 of a recorded row)."""
         total = timing.warmup_steps + timing.steps
         timer = make_window_timer(keras, timing, total)
-        report = efficiency.EfficiencyReport(batch) if recorded else None
+        report = efficiency_report.EfficiencyReport(batch) if recorded else None
         step_timer.reset()
         fit(mode, total, [timer] + ([report] if report else []))
         text = efficiency.render(report.figures) if report and report.figures else None

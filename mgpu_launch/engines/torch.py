@@ -215,6 +215,9 @@ class TorchEngine(Engine):
         reducer = Reduction(self.size, average, prescale, postscale, compression)
         self._watched = GradientBuckets(list(variables), reducer, self.fusion_bytes)
 
+    def overlaps_backward(self) -> bool:
+        return self._watched is not None  # buckets launched by hooks during backward
+
     def reduce_gradients(self, grads, variables, **options) -> List[Any]:
         watched = self._watched
         within_a_set = getattr(options.get("group"), "process_set_id", 0)

@@ -1,20 +1,23 @@
 """The efficiency report at the end of ``fit``: why the job is not N times faster.
 
-``fit`` of a model compiled with a DistributedOptimizer gets an :class:`EfficiencyReport`
-callback on every rank (``MGPU_EFFICIENCY_REPORT=0`` leaves it out; set it alike on every
-rank). It starts the timeline recorder (``mgpu_launch.runtime.timeline``) at
-``on_train_begin``, and at ``on_train_end`` rank 0 gathers every rank's slices of this fit and,
-when its ``verbose`` is 1 or more, prints::
+``fit`` of a model compiled with a DistributedOptimizer gets an
+:class:`~mgpu_launch.training.efficiency_report.EfficiencyReport` callback on every rank
+(``MGPU_EFFICIENCY_REPORT=0`` leaves it out; set it alike on every rank). It records the fit
+with the timeline recorder (``mgpu_launch.runtime.timeline``), times the gradient allreduce
+alone at its end, and rank 0 prints, when its ``verbose`` is 1 or more::
 
     mgpu: efficiency of fit, steps 2-60 on 2 ranks (3.1 s):
       throughput: 310 samples/s in total; per rank: 155, 155
-      lost: 48% of the ranks' time
+      lost: 60% of the ranks' time
         input wait                    1%
         waiting for a slower rank    45%  rank 1, 52 ms a step behind the others (callbacks)
+        communication                12%  the gradient allreduce (4.2 MB) takes 6.1 ms alone; ...
         the rest                      2%  callbacks, validation, Keras's loop
       advice: rank 1 is 98% slower than the others ...
 
-How each share is measured, from the same slices the timeline file holds (so the two agree):
+This module is the analysis (pure functions of the recorded slices and the measured time);
+``efficiency_report`` records, measures and prints. How each share is measured, from the
+same slices the timeline file holds (so the two agree):
 
 * **input wait**: the step waiting for its batch in the device prefetcher (``MGPU_PREFETCH``),
   plus the time between one step's end and the next step's callbacks (where JAX and torch
@@ -29,24 +32,28 @@ How each share is measured, from the same slices the timeline file holds (so the
   *inside* the compiled step (a slower GPU) arrives on time and leaves late together with the
   others, so it is invisible here and counts as the step; and the arrivals are compared on
   clocks aligned to within half an MPI round trip (microseconds on one host).
+* **communication**: the gradient allreduce itself, after the last rank arrived. Every engine
+  reduces inside its compiled step, where the host cannot see it; so at the end of the fit
+  every rank runs the engine's own reduction (its transport, fusion and compression) on zero
+  gradients of the model's sizes, one warm-up and five timed runs, and the median is taken
+  out of each step's own time (at most all of it: ``min(measured, the step's own time)``).
+  An engine that reduces after the backward pass (TensorFlow; JAX on CPU) hides none of it;
+  one that overlaps the two (torch's buckets, JAX on GPU) hides part, and the share is then an
+  upper bound. Not measured (the line says why) in a fit of fewer than :data:`TIMED_STEPS`
+  analysed steps, with the gradients reduced within a process set, or when the timing failed.
 * **the rest**: callbacks (every rank's, the probes' phases), validation, and what no phase
   covers (Keras's loop).
-* Not separated yet: the gradient allreduce's own exposed time is part of the step.
 
-The first step of each fit (tracing and compilation) is left out.
+What is left, the step's compute, is not lost. The first step of each fit (tracing and
+compilation) is left out.
 """
 
 import statistics
-import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
-import keras
-
-from mgpu_launch import runtime
-from mgpu_launch.runtime import timeline
-from mgpu_launcher import settings
-
-CATEGORIES = ("input", "wait", "callbacks", "other", "step")
+CATEGORIES = ("input", "wait", "comm", "callbacks", "other", "step")
+#: analysed steps a fit needs before the gradient allreduce is timed at its end
+TIMED_STEPS = 20
 _CALLBACKS = {"on_train_begin", "on_train_batch_begin", "on_train_batch_end", "on_epoch_end"}
 
 
@@ -77,16 +84,31 @@ def _per_step(slices: Sequence[tuple]) -> Dict[int, Dict[str, float]]:
     return steps
 
 
-def analyse(ranks: Sequence[Sequence[tuple]], batch_size: Optional[int]) -> Optional[Dict]:
+def analyse(ranks: Sequence[Sequence[tuple]], batch_size: Optional[int],
+            communication: Optional[Dict] = None) -> Optional[Dict]:
     """The report's figures from every rank's slices of one fit (rank 0's clock), or None when
     fewer than three steps are common to all ranks.
+
+    Args:
+        ranks: every rank's slices of this fit (``timeline.since``), in rank order.
+        batch_size: samples per step on one rank, or None.
+        communication: the gradient allreduce timed alone: ``{"seconds": per step, "every":
+            steps per reduction, "bytes", "overlaps": bool, "engine", "compression"}`` (as
+            ``efficiency_report.time_communication`` returns it), or ``{"note": why it was
+            not}``, or None (one rank).
 
     Returns:
         {"steps": (first, last), "seconds", "ranks": [per-rank {category: ns, "window"}],
         "shares": {category: fraction of the ranks' time}, "late": (rank, ns per step,
         fraction slower, its largest category) or None, "rates": per-rank steps/s,
-        "batch_size"}.
+        "batch_size", "communication"}.
+
+    Example:
+        >>> analyse(ranks, 32, {"seconds": 0.006, "bytes": 4e6, "overlaps": False,
+        ...                     "engine": "tensorflow"})["shares"]["comm"]
+        0.12
     """
+    reduction = 1e9 * (communication or {}).get("seconds", 0.0)
     per_rank = [_per_step(slices) for slices in ranks]
     common = sorted(set.intersection(*[
         {step for step, record in steps.items() if "begin" in record and "enter" in record}
@@ -99,7 +121,7 @@ def analyse(ranks: Sequence[Sequence[tuple]], batch_size: Optional[int]) -> Opti
         window = steps[closing]["begin"] - steps[analysed[0]]["begin"]
         total = {name: sum(steps[k][name] for k in analysed)
                  for name in ("input", "in_step_input", "callbacks", "other", "train")}
-        total.update(window=window, wait=0.0, waited=0.0, lateness=0.0)
+        total.update(window=window, wait=0.0, waited=0.0, lateness=0.0, comm=0.0)
         # what the phases cover; what they do not (Keras's loop between them) is "other"
         total["other"] += max(0.0, window - total["input"] - total["callbacks"] -
                               total["other"] - total["train"])
@@ -116,6 +138,8 @@ def analyse(ranks: Sequence[Sequence[tuple]], batch_size: Optional[int]) -> Opti
             budget = steps[k]["train"] - steps[k]["in_step_input"]
             waited = min(max(0.0, latest - ready[rank]), max(0.0, budget))
             totals[rank]["waited"] += waited
+            # the reduction once every rank arrived: at most what is left of the step
+            totals[rank]["comm"] += min(reduction, max(0.0, budget - waited))
             totals[rank]["input" if its_input >= 0.5 * waited else "wait"] += waited
             others = ready[:rank] + ready[rank + 1:]
             if others:
@@ -138,12 +162,14 @@ def analyse(ranks: Sequence[Sequence[tuple]], batch_size: Optional[int]) -> Opti
                 totals[rank]["wait"] += extra
             late = (rank, behind, behind / max(1.0, typical - behind), cause)
     for total in totals:
-        total["step"] = total["train"] - total["in_step_input"] - total["waited"]
+        total["step"] = (total["train"] - total["in_step_input"] - total["waited"]
+                         - total["comm"])
     time_all = sum(t["window"] for t in totals) or 1.0
     shares = {name: sum(t[name] for t in totals) / time_all
-              for name in ("input", "wait", "callbacks", "other")}
+              for name in ("input", "wait", "comm", "callbacks", "other")}
     return {"steps": (analysed[0], closing), "seconds": totals[0]["window"] / 1e9,
             "ranks": totals, "shares": shares, "late": late, "batch_size": batch_size,
+            "communication": communication,
             "rates": [len(analysed) / max(t["window"] / 1e9, 1e-9) for t in totals]}
 
 
@@ -151,14 +177,29 @@ _WORDS = {"input": "its input", "callbacks": "callbacks", "other": "other host w
           "unknown": "no phase of its own"}
 
 
+def _measured(figures: Dict) -> bool:
+    return "seconds" in (figures.get("communication") or {})
+
+
 def advice(figures: Dict) -> str:
-    """One line of advice for the largest lost share."""
+    """One line of advice for the largest lost share.
+
+    Example:
+        >>> advice({"shares": {"input": 0.0, "wait": 0.0, "comm": 0.6, "callbacks": 0.0,
+        ...                    "other": 0.0}, "late": None,
+        ...         "communication": {"seconds": 0.1}})[:14]
+        'communication'
+    """
     shares = figures["shares"]
-    lost = {"input": shares["input"], "wait": shares["wait"],
+    lost = {"input": shares["input"], "wait": shares["wait"], "comm": shares.get("comm", 0.0),
             "rest": shares["callbacks"] + shares["other"]}
     largest = max(lost, key=lost.get)
     if lost[largest] < 0.05:
-        return "no cause above 5%: the step itself (compute and gradient allreduce) dominates"
+        what = "compute" if _measured(figures) else "compute and gradient allreduce"
+        return f"no cause above 5%: the step itself ({what}) dominates"
+    if largest == "comm":
+        return "communication: the gradient allreduce dominates; " + _cheaper(
+            figures["communication"])
     if largest == "input":
         return ("input: the step waits for its batches; raise MGPU_PREFETCH, give the "
                 "PyDataset workers (workers=4, use_multiprocessing=True) or use tf.data with "
@@ -184,86 +225,54 @@ def render(figures: Dict) -> str:
              + ", ".join(f"{rate * scale:.4g}" for rate in rates)
              + ("" if batch else " (batch size unknown)")]
     shares = figures["shares"]
-    lost = shares["input"] + shares["wait"] + shares["callbacks"] + shares["other"]
+    lost = (shares["input"] + shares["wait"] + shares.get("comm", 0.0) + shares["callbacks"]
+            + shares["other"])
     lines.append(f"  lost: {100 * lost:.0f}% of the ranks' time")
     late = figures["late"]
     who = (f"rank {late[0]}, {late[1] / 1e6:.0f} ms a step behind the others "
            f"({_WORDS[late[3]]})" if late else "")
-    for label, share, detail in (
-            ("input wait", shares["input"], ""),
-            ("waiting for a slower rank", shares["wait"], who),
-            ("the rest", shares["callbacks"] + shares["other"],
-             "callbacks, validation, Keras's loop")):
-        lines.append(f"    {label:<28}{100 * share:3.0f}%  {detail}".rstrip())
+    rows = [("input wait", shares["input"], ""), ("waiting for a slower rank", shares["wait"], who)]
+    communication = figures.get("communication")
+    if communication:  # None: one rank, no allreduce
+        rows.append(("communication", shares["comm"] if _measured(figures) else None,
+                     _communication(communication)))
+    rows.append(("the rest", shares["callbacks"] + shares["other"],
+                 "callbacks, validation, Keras's loop"))
+    for label, share, detail in rows:
+        amount = "  -" if share is None else f"{100 * share:3.0f}%"
+        lines.append(f"    {label:<28}{amount}  {detail}".rstrip())
     lines.append(f"  advice: {advice(figures)}")
     return "\n".join(lines)
 
 
-def batch_size_of(arguments: Dict[str, Any]) -> Optional[int]:
-    """Samples per step of a ``fit`` call (its bound arguments), where Keras's own rule gives
-    it: arrays (``batch_size``, default 32) and a tf.data set with a static batch dimension."""
-    data = arguments.get("x")
-    if isinstance(data, keras.utils.PyDataset) or data is None:
-        return None
-    spec = getattr(data, "element_spec", None)
-    if spec is not None:
-        leaves = keras.tree.flatten(spec)
-        dim = leaves[0].shape[0] if leaves and len(leaves[0].shape) else None
-        return int(dim) if dim is not None else None
-    leaves = keras.tree.flatten(data)
-    if leaves and hasattr(leaves[0], "shape") and len(leaves[0].shape):
-        return min(arguments.get("batch_size") or 32, int(leaves[0].shape[0]))
-    return None
+def _communication(communication: Optional[Dict]) -> str:
+    """The communication line's words: what was measured and how far it is exposed."""
+    if not communication:
+        return ""
+    if "seconds" not in communication:
+        return f"not measured: {communication['note']}"
+    size = communication["bytes"]
+    size = (f"{size / 1e6:.3g} MB" if size >= 1e6 else f"{size / 1e3:.3g} KB" if size >= 1e3
+            else f"{size} bytes")
+    codec = communication.get("compression", "none")
+    size += "" if codec == "none" else f", sent as {codec}"
+    every = communication.get("every", 1)
+    took = (f"the gradient allreduce ({size}) takes {1e3 * communication['seconds'] * every:.3g}"
+            f" ms alone" + (f", once every {every} steps" if every > 1 else ""))
+    if communication["overlaps"]:
+        return took + ", an upper bound: this engine overlaps it with the backward pass"
+    return took + "; this engine reduces after the backward pass, so none of it overlaps"
 
 
-def add_report(arguments: Dict[str, Any]) -> None:
-    """Append an :class:`EfficiencyReport` to the callbacks of a ``fit`` call (its bound
-    arguments; called by the ``fit`` patch on every rank when ``MGPU_EFFICIENCY_REPORT`` is
-    on), unless the caller passed one (to read its ``figures``)."""
-    callbacks = arguments.get("callbacks")
-    listed = callbacks.callbacks if isinstance(callbacks, keras.callbacks.CallbackList) \
-        else callbacks or []
-    if any(isinstance(callback, EfficiencyReport) for callback in listed):
-        return
-    report = EfficiencyReport(batch_size_of(arguments))
-    if isinstance(callbacks, keras.callbacks.CallbackList):
-        callbacks.append(report)
-    else:
-        arguments["callbacks"] = list(callbacks or []) + [report]
-
-
-def wanted() -> bool:
-    """``MGPU_EFFICIENCY_REPORT`` (default on), after ``mgpu.init()`` (a fit before it has no
-    job to report on)."""
-    return runtime.is_initialized() and settings.flag("MGPU_EFFICIENCY_REPORT")
-
-
-class EfficiencyReport(keras.callbacks.Callback):
-    """Records this fit on every rank; rank 0 prints the report at its end (verbose >= 1).
-
-    Added by the ``fit`` patch (``mgpu_launch.training.patches``) on every rank alike: its
-    ``on_train_begin`` and ``on_train_end`` are collectives.
-
-    Args:
-        batch_size: samples per step on one rank, when fit knows it (None: steps/s are shown).
-    """
-
-    def __init__(self, batch_size: Optional[int] = None):
-        super().__init__()
-        self.batch_size = batch_size
-        self.bookmark = 0
-        self.figures: Optional[Dict[str, Any]] = None
-
-    def on_train_begin(self, logs=None):
-        timeline.ensure_recording(runtime.state)
-        self.bookmark = timeline.appended()
-
-    def on_train_end(self, logs=None):
-        state = runtime.state
-        own = timeline.since(self.bookmark)
-        ranks = state.comm.gather(own, root=0) if state.comm is not None else [own]
-        if state.rank != 0:
-            return
-        self.figures = analyse(ranks, self.batch_size)
-        if self.figures is not None and self.params.get("verbose", 0):
-            print(render(self.figures), file=sys.stdout, flush=True)
+def _cheaper(communication: Dict) -> str:
+    """The ways to a cheaper allreduce that this fit does not use yet, as one phrase."""
+    ways = ["fewer steps for the same samples (raise the batch per rank)"]
+    if communication.get("compression", "none") == "none":
+        ways.append("half the bytes (DistributedOptimizer(..., "
+                    "compression=mgpu.Compression.fp16))")
+    every = communication.get("every", 1)
+    ways.append("one reduction every N batches (backward_passes_per_step=N)" if every == 1
+                else f"a larger backward_passes_per_step (now {every})")
+    if communication.get("hint"):
+        ways.append(communication["hint"])
+    return ", ".join(ways[:-1]) + " or " + ways[-1]

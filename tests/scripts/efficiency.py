@@ -4,8 +4,10 @@
 
 MODE ``input``: every batch takes SLEEP seconds to read (a PyDataset sleeping in
 ``__getitem__``). MODE ``rank``: rank 1 alone sleeps SLEEP seconds in a callback before each
-step. MODE ``plain``: neither. MODE ``crash``: rank 1 raises in a callback before step
-FAULT_STEP. MODE ``stall``: rank 1 sleeps 120 s there (the stall inspector ends the job).
+step. MODE ``comm``: a model of about 4.2M parameters (17 MB of float32 gradients) on a
+batch of 2, whose gradient allreduce dominates the step. MODE ``plain``: none of these.
+MODE ``crash``: rank 1 raises in a callback before step FAULT_STEP. MODE ``stall``: rank 1
+sleeps 120 s there (the stall inspector ends the job).
 Rank 0 prints the report (verbose=2).
 """
 
@@ -19,7 +21,8 @@ import mgpu_launch as mgpu
 mgpu.init()
 import keras  # noqa: E402
 
-MODE, SLEEP, BATCHES, BATCH, FAULT_STEP = sys.argv[1], 0.04, 24, 16, 10
+MODE, SLEEP, BATCHES, FAULT_STEP = sys.argv[1], 0.04, 24, 10
+BATCH = 2 if MODE == "comm" else 16
 
 
 class Batches(keras.utils.PyDataset):
@@ -51,7 +54,11 @@ class SlowRank(keras.callbacks.Callback):
 
 
 keras.utils.set_random_seed(1)
-model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                          keras.layers.Dense(1)])
+if MODE == "comm":
+    model = keras.Sequential([keras.Input((8,))] + [keras.layers.Dense(2048, activation="relu")
+                                                    for _ in range(2)] + [keras.layers.Dense(1)])
+else:
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(1)])
 model.compile(optimizer=mgpu.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
 model.fit(Batches(), epochs=1, verbose=2 if mgpu.rank() == 0 else 0, callbacks=[SlowRank()])

@@ -1,5 +1,6 @@
 """The efficiency report names the cause a job was made slow by, and the timeline of the same
-job is a valid trace: real 2-process jobs (tests/scripts/efficiency.py), a few seconds of fit."""
+job is a valid trace: real 2-process jobs (tests/scripts/efficiency.py), a few seconds of fit.
+The analysis alone, on made-up slices: test_efficiency_analysis.py."""
 
 import json
 import os
@@ -19,15 +20,17 @@ WORKER = os.path.join(SCRIPTS, "efficiency.py")
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_BACKEND": BACKEND, "MGPU_PREFETCH": "1"}
 
 
+SHARES = ("input wait", "waiting for a slower rank", "communication", "the rest")
+
+
 def report_of(stdout: str) -> dict:
-    """{"input wait": %, "waiting for a slower rank": %, "the rest": %, "who": ...,
-    "advice": ...} of the report rank 0 printed."""
+    """{"input wait": %, "waiting for a slower rank": %, "communication": %, "the rest": %,
+    "who": {share: its words}, "advice": ...} of the report rank 0 printed."""
     lines = [re.sub(r"^\[\d+\] ", "", line) for line in stdout.splitlines()]
     start = next(i for i, line in enumerate(lines) if line.startswith("mgpu: efficiency"))
     found = {}
-    for line in lines[start:start + 8]:
-        share = re.match(r"^\s+(input wait|waiting for a slower rank|the rest)\s+(\d+)%\s*(.*)$",
-                         line)
+    for line in lines[start:start + 9]:
+        share = re.match(rf"^\s+({'|'.join(SHARES)})\s+(\d+)%\s*(.*)$", line)
         if share:
             found[share.group(1)] = int(share.group(2))
             found.setdefault("who", {})[share.group(1)] = share.group(3)
@@ -41,7 +44,22 @@ def test_a_slow_input_is_named_input(tmp_path):
     report = report_of(result.stdout)
     assert report["input wait"] >= 50, result.stdout
     assert report["input wait"] > report["waiting for a slower rank"] + report["the rest"]
+    # 22 steps analysed: the allreduce was timed (the line is there), and it is not the verdict
+    assert report.get("communication", 100) < report["input wait"], result.stdout
     assert report["advice"].startswith("input:"), result.stdout
+
+
+@pytest.mark.slow
+def test_an_allreduce_that_dominates_is_named_communication():
+    result = launch_ok("-np", "2", WORKER, "comm", timeout=240, **QUIET)
+    report = report_of(result.stdout)
+    assert "communication" in report, result.stdout
+    others = [report[share] for share in SHARES if share != "communication"]
+    assert report["communication"] >= 30, result.stdout
+    assert report["communication"] > max(others), result.stdout
+    assert re.match(r"the gradient allreduce \(16\.9 MB\) takes [\d.]+ ms alone",
+                    report["who"]["communication"]), result.stdout
+    assert report["advice"].startswith("communication:"), result.stdout
 
 
 @pytest.mark.skipif(BACKEND != "tensorflow", reason=(
@@ -55,6 +73,7 @@ def test_a_slow_rank_is_named_and_the_trace_has_one_aligned_track_per_rank(tmp_p
     report = report_of(result.stdout)
     assert report["waiting for a slower rank"] >= 40, result.stdout
     assert report["who"]["waiting for a slower rank"].startswith("rank 1,"), result.stdout
+    assert report.get("communication", 100) < report["waiting for a slower rank"], result.stdout
     assert report["advice"].startswith("rank 1 is"), result.stdout
 
     document = json.loads(trace.read_text())

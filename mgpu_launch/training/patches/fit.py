@@ -13,7 +13,7 @@ import inspect
 from typing import Callable, Optional, Tuple
 
 from mgpu_launch import engines, runtime
-from mgpu_launch.training import efficiency, epoch_resume, fit_guard, prefetch, stall_probes
+from mgpu_launch.training import efficiency_report, epoch_resume, fit_guard, prefetch, stall_probes
 
 _distributed_class: Optional[type] = None
 # (epochs done, batches done in the next epoch) for the next training epoch to start from.
@@ -51,7 +51,7 @@ def fit(original):
         ours = uses_distributed_optimizer(self)
         guarded = ours and runtime.is_multi_process()
         probed = ours and stall_probes.wanted()
-        reported = ours and efficiency.wanted()
+        reported = ours and efficiency_report.wanted()
         bound = signature.bind(self, *args, **kwargs)
         ordered = epoch_resume.keeps_its_order(bound.arguments.get("x"), bound.arguments)
         if not (guarded or probed or ordered):
@@ -62,7 +62,7 @@ def fit(original):
         if guarded:
             fit_guard.add_agreement_check(bound.arguments)
         if reported:  # before the probes: the last probe stays last
-            efficiency.add_report(bound.arguments)
+            efficiency_report.add_report(bound.arguments)
         if probed:
             stall_probes.add_probes(bound.arguments)
         with epoch_resume.training_on(bound.arguments["x"]):

@@ -1,0 +1,115 @@
+"""The efficiency report's analysis on made-up slices (no job): the communication share (the
+gradient allreduce timed alone, taken out of each step's own time), the advice it gets, the
+report's words, and how the ranks' timings are combined. The jobs that make each cause
+dominate: test_efficiency.py."""
+
+import pytest
+
+from mgpu_launch.training import efficiency
+from mgpu_launch.training.efficiency_report import combined
+
+MS = 1_000_000  # ns
+STEPS = 6
+
+
+def rank_slices(callbacks_ms: float, train_ms: float, steps: int = STEPS) -> list:
+    """One rank's slices of a fit: each step's on_train_batch_begin (callbacks) then its train
+    step, back to back (thread, name, category, start ns, duration ns, step, parent)."""
+    slices, now = [], 0
+    for step in range(1, steps + 1):
+        slices.append((0, "on_train_batch_begin", "callbacks", now, callbacks_ms * MS, step, ""))
+        now += callbacks_ms * MS
+        slices.append((0, "train step", "step", now, train_ms * MS, step, ""))
+        now += train_ms * MS
+    return slices
+
+
+def timed(seconds: float, overlaps: bool = False, every: int = 1) -> dict:
+    """A measurement as efficiency_report.time_communication gives it (4 MiB of gradients)."""
+    return {"seconds": seconds / every, "every": every, "bytes": 4_194_304,
+            "overlaps": overlaps, "engine": "tensorflow", "compression": "none", "hint": ""}
+
+
+def test_the_measured_allreduce_is_taken_out_of_each_step():
+    ranks = [rank_slices(1, 10), rank_slices(1, 10)]
+    figures = efficiency.analyse(ranks, 32, timed(0.006))
+    # steps 2..5 analysed, 11 ms each: 6 ms of each is the allreduce, 4 ms compute
+    assert figures["shares"]["comm"] == pytest.approx(6 / 11)
+    assert figures["ranks"][0]["step"] == pytest.approx(4 * 4 * MS)
+    assert figures["shares"]["input"] == figures["shares"]["wait"] == 0
+
+
+def test_the_allreduce_takes_at_most_the_step_left_after_waiting():
+    # rank 1 arrives 4 ms late each step: rank 0 waits 4 ms of its 14 ms step
+    ranks = [rank_slices(1, 14), rank_slices(5, 10)]
+    figures = efficiency.analyse(ranks, None, timed(0.050))
+    per_step = [total["comm"] / 4 for total in figures["ranks"]]
+    assert per_step == pytest.approx([10 * MS, 10 * MS])  # min(50 ms, 14 - 4) and min(50, 10)
+    # waited: rank 0's 4 ms, and rank 1's extra 4 ms in callbacks (what rank 0 waited for)
+    assert figures["shares"]["wait"] == pytest.approx(8 / 30)
+    assert all(total["step"] == pytest.approx(0) for total in figures["ranks"])
+
+
+def test_without_a_measurement_there_is_no_communication_share():
+    ranks = [rank_slices(0.1, 10), rank_slices(0.1, 10)]
+    for communication in (None, {"note": "a fit of fewer than 22 steps is not timed"}):
+        figures = efficiency.analyse(ranks, 32, communication)
+        assert figures["shares"]["comm"] == 0
+        assert "(compute and gradient allreduce) dominates" in efficiency.advice(figures)
+    text = efficiency.render(efficiency.analyse(ranks, 32, None))
+    assert "communication" not in text  # one rank's view: no allreduce to speak of
+    text = efficiency.render(figures)
+    assert ("    communication                 -  not measured: a fit of fewer than 22 steps "
+            "is not timed") in text.splitlines()
+
+
+def test_a_dominant_allreduce_gets_the_communication_advice():
+    ranks = [rank_slices(1, 10)] * 2
+    words = efficiency.advice(efficiency.analyse(ranks, 32, timed(0.008)))
+    assert words == ("communication: the gradient allreduce dominates; fewer steps for the "
+                     "same samples (raise the batch per rank), half the bytes ("
+                     "DistributedOptimizer(..., compression=mgpu.Compression.fp16)) or one "
+                     "reduction every N batches (backward_passes_per_step=N)")
+    # what the fit already does is not advised again; the engine's own setting is
+    communication = dict(timed(0.016, every=2), compression="fp16",
+                         hint="try MGPU_TF_TRANSPORT=mpi")
+    words = efficiency.advice(efficiency.analyse(ranks, 32, communication))
+    assert words == ("communication: the gradient allreduce dominates; fewer steps for the "
+                     "same samples (raise the batch per rank), a larger "
+                     "backward_passes_per_step (now 2) or try MGPU_TF_TRANSPORT=mpi")
+
+
+def test_communication_does_not_take_the_verdict_from_a_larger_cause():
+    # 7 ms of 11 in the callbacks (the rest), the allreduce 3 of the 4 ms step
+    figures = efficiency.analyse([rank_slices(7, 4)] * 2, 32, timed(0.003))
+    assert figures["shares"]["comm"] == pytest.approx(3 / 11)
+    assert efficiency.advice(figures).startswith("callbacks and Keras's loop")
+    # measured, and everything lost under 5%: the compute is what is left
+    figures = efficiency.analyse([rank_slices(0.1, 10)] * 2, 32, timed(0.0002))
+    assert efficiency.advice(figures) == ("no cause above 5%: the step itself (compute) "
+                                          "dominates")
+
+
+def test_the_report_says_what_was_timed_and_how_far_it_is_exposed():
+    ranks = [rank_slices(1, 10)] * 2
+    lines = efficiency.render(efficiency.analyse(ranks, 32, timed(0.006))).splitlines()
+    assert "  lost: 64% of the ranks' time" in lines  # 1 ms callbacks + 6 ms allreduce of 11
+    assert ("    communication                55%  the gradient allreduce (4.19 MB) takes 6 ms "
+            "alone; this engine reduces after the backward pass, so none of it overlaps") in lines
+    text = efficiency.render(efficiency.analyse(ranks, 32, timed(0.006, overlaps=True)))
+    assert "takes 6 ms alone, an upper bound: this engine overlaps it with the backward" in text
+    # reduced once every 2 steps: half of it a step
+    figures = efficiency.analyse(ranks, 32, timed(0.006, every=2))
+    assert figures["shares"]["comm"] == pytest.approx(3 / 11)
+    assert "takes 6 ms alone, once every 2 steps;" in efficiency.render(figures)
+    communication = dict(timed(0.006), compression="fp16")
+    text = efficiency.render(efficiency.analyse(ranks, 32, communication))
+    assert "the gradient allreduce (4.19 MB, sent as fp16) takes 6 ms alone" in text
+
+
+def test_the_ranks_timings_are_combined_into_one():
+    assert combined([None]) is None
+    median = combined([timed(0.004), timed(0.010), timed(0.005)])
+    assert median["seconds"] == pytest.approx(0.005) and median["bytes"] == 4_194_304
+    failed = {"note": "its timing failed on rank 1 (RuntimeError: lost)"}
+    assert combined([timed(0.004), failed]) == failed
