@@ -14,7 +14,9 @@
 #   variants   2 GPUs only, bf16: TF_GPU_THREAD_MODE=gpu_private; XLA without command
 #              buffers; XLA's latency-hiding scheduler; collectives in command buffers; an
 #              optimization barrier around the gradient buffer (experiments/sitecustomize.py);
-#              all-reduces kept synchronous (VARIANTS= picks a subset)
+#              all-reduces kept synchronous; 1 and 2 GPUs: steps_per_execution 1,4,8,16 (spe)
+#              and the per-batch logs one step late (lag_logs: Keras then no longer waits for
+#              every step) (VARIANTS= picks a subset)
 #   hlo        2 GPUs, bf16: XLA's optimized HLO of the train step dumped; its all-reduces,
 #              command buffers and async pairs counted
 set -u
@@ -53,7 +55,7 @@ stage_controls() {
 
 variant() {  # name, env assignments...
   local name=$1; shift
-  env "$@" "${BENCH[@]}" --gpus 2 --out "$work/$name" > "$work/$name.log" 2>&1
+  env "$@" "${BENCH[@]}" --gpus "${GPUS:-2}" ${EXTRA:-} --out "$work/$name" > "$work/$name.log" 2>&1
   echo "variant $name ($*): exit $?"; summary "$work/$name.log"
 }
 
@@ -70,6 +72,9 @@ stage_variants() {
       barrier) variant barrier TFX_BARRIER=1 \
         PYTHONPATH="$PWD/benchmarks/tf_gpu/experiments:$PYTHONPATH" ;;
       sync_allreduce) variant sync_allreduce XLA_FLAGS=--xla_gpu_disable_async_collectives=ALLREDUCE ;;
+      spe) GPUS=1,2 EXTRA="--steps-per-execution 1,4,8,16" variant spe X=1 ;;
+      lag_logs) GPUS=1,2 variant lag_logs TFX_LAG_LOGS=1 \
+        PYTHONPATH="$PWD/benchmarks/tf_gpu/experiments:$PYTHONPATH" ;;
       *) echo "unknown variant $name" ;;
     esac
   done
