@@ -48,6 +48,7 @@ class Flavour:
     # mpirun's own report of a rank killed by a signal, groups (rank, signal number); searched
     # in mpirun's lines joined by spaces (it breaks the sentence over lines). None: unknown.
     signal_death: Optional["re.Pattern[str]"] = None
+    sigterm_exit: Optional["re.Pattern[str]"] = None
     # mpirun's (and its ssh's) own reports of a host whose daemon it lost or could not start,
     # group 1 the host's name as they print it; searched line by line. Empty: unknown.
     lost_host: Tuple["re.Pattern[str]", ...] = ()
@@ -78,9 +79,17 @@ class Flavour:
             >>> OPENMPI.signal_death_in("prterun noticed that process rank 1 with PID 7 on "
             ...                         "node vm exited on signal 9 (Killed).")
             (1, 9)
+            >>> OPENMPI.signal_death_in("The first process to do so was: Process name: "
+            ...                         "[prterun-vm-31896@1,1] Exit code: 143")
+            (1, 15)
         """
         match = self.signal_death.search(mpirun_text) if self.signal_death else None
-        return (int(match.group(1)), int(match.group(2))) if match else None
+        if match:
+            return int(match.group(1)), int(match.group(2))
+        # A rank whose SIGTERM handler dumped its timeline first exits 143 (128 + SIGTERM):
+        # mpirun then reports an exit status, not a signal (mgpu_launch.runtime.timeline_signals).
+        match = self.sigterm_exit.search(mpirun_text) if self.sigterm_exit else None
+        return (int(match.group(1)), 15) if match else None
 
 
 OPENMPI = Flavour(
@@ -103,6 +112,10 @@ OPENMPI = Flavour(
     # lines); 2-4 say "mpirun noticed that process rank 0 with PID 21183 on node host01 exited
     # on signal 9 (Killed)." (open-mpi/ompi#2661).
     signal_death=re.compile(r"rank (\d+) with PID \d+ on node \S+ exited on\s+signal (\d+)"),
+    # Open MPI 5.0.11: "The first process to do so was: Process name: [prterun-vm-31896@1,1]
+    # Exit code: 143" (tests/runtime/test_timeline_dumps.py, SIGTERM case).
+    sigterm_exit=re.compile(r"first process to do so was:\s+Process name:\s+\[\S+?,(\d+)\]\s+"
+                            r"Exit code:\s+143\b"),
     # A host gone while the job runs (a deleted MPI Operator worker pod: its sshd and prted
     # killed), or unreachable at the start: prterun's "A daemon failed to report back after being
     # spawned ... Remote host: NAME" (PRRTE's ssh launcher, 5.0.11; NAME shortened to its first

@@ -26,8 +26,9 @@ timeline=FILE)``) starts it at ``mgpu.init()`` and writes the file at ``mgpu.shu
 ``start()`` / ``stop()`` do it by hand (Horovod's ``hvd.start_timeline`` /
 ``hvd.stop_timeline``). A job that never gets there still leaves what it recorded:
 :func:`dump_own` writes one rank's slices, with the phase it is in at that moment, to
-``FILE.rank<N>.json`` (no collective) when the rank dies of an uncaught exception and, on a
-stall, on rank 0 and on each rank the inspector names; ``python3 -m
+``FILE.rank<N>.json`` (no collective) when the rank dies of an uncaught exception or of SIGTERM
+(:mod:`mgpu_launch.runtime.timeline_signals`) and, on a stall, on rank 0 and on each rank the
+inspector names; ``python3 -m
 mgpu_launch.runtime.trace_files merge OUT FILE.rank*.json`` joins them into one trace.
 Recording a slice costs one clock read and one
 deque append; when nothing records, every hook is one ``None`` test. No framework is imported.
@@ -41,7 +42,7 @@ import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from mgpu_launch.runtime import trace_files
+from mgpu_launch.runtime import timeline_signals, trace_files
 from mgpu_launcher import settings
 
 #: slices each rank keeps (the oldest go first): about 10 MiB, some 15,000 steps of fit
@@ -235,6 +236,7 @@ def start(path: str, state) -> None:
                          f"{path!r}")
     ensure_recording(state)
     _path = os.path.abspath(os.fspath(path))
+    timeline_signals.install(dump_own)  # a rank ended by SIGTERM leaves FILE.rank<N>.json
 
 
 def stop() -> Optional[str]:
@@ -244,6 +246,7 @@ def stop() -> Optional[str]:
     if _recorder is None or _path is None:
         return None
     path, _path = _path, None
+    timeline_signals.uninstall()
     try:
         return write(path, _state)
     finally:

@@ -1,5 +1,5 @@
 """A job that ends without ``mgpu.shutdown()`` still leaves its timeline: each rank's slices
-up to the crash or the stall, with the phase it was in, in FILE.rank<N>.json; the merge
+up to the crash, the SIGTERM or the stall, with the phase it was in, in FILE.rank<N>.json; the merge
 command joins them. Real 2-process jobs (TensorFlow: the recorder is backend-independent,
 the efficiency tests run it on every backend). tests/runtime/test_run.py runs
 ``mgpu_launch.run(..., timeline=FILE)``."""
@@ -12,7 +12,8 @@ import sys
 import pytest
 
 import timelinekit
-from conftest import ROOT, SCRIPTS, explain, launch, python_env, requires_mpirun
+from conftest import (ROOT, SCRIPTS, explain, launch, processes_mentioning, python_env,
+                      requires_mpirun)
 from mgpu_launch.runtime import trace_files
 
 WORKER = os.path.join(SCRIPTS, "efficiency.py")
@@ -48,6 +49,27 @@ def test_a_crashing_rank_leaves_its_slices_up_to_the_failing_phase(tmp_path):
     assert open_slices(tracks, 1)[0]["args"]["step"] == 11  # steps count from 1, batches 0
     steps = {e["args"]["step"] for e in tracks[(1, 0)] if e["name"] == "train step"}
     assert set(range(1, 11)) <= steps, steps
+
+
+@requires_mpirun
+@pytest.mark.job
+def test_a_rank_ended_by_sigterm_leaves_its_slices_and_is_named(tmp_path):
+    # What Slurm's time limit, scancel or mpirun's teardown does: the rank's SIGTERM handler
+    # (mgpu_launch.runtime.timeline_signals) writes its dump, then the rank exits 143.
+    trace = tmp_path / "trace.json"
+    result = launch("-np", "2", "--timeline", str(trace), WORKER, "sigterm", timeout=240,
+                    **ENV)
+    assert result.returncode != 0, explain(result)
+    dump = tmp_path / "trace.json.rank1.json"
+    assert f"rank 1: timeline so far written to {dump} (SIGTERM)" in result.stderr, \
+        explain(result)
+    assert json.loads(dump.read_text())["otherData"]["reason"] == "SIGTERM"
+    tracks = merged(tmp_path, dump)
+    assert [(e["name"], e["args"]["step"]) for e in open_slices(tracks, 1)] == [
+        ("on_train_batch_begin", 11)]
+    assert "root cause: rank 1 failed first: killed by signal 15 (SIGTERM)" in result.stderr, \
+        explain(result)
+    assert not processes_mentioning(str(tmp_path)), processes_mentioning(str(tmp_path))
 
 
 @requires_mpirun

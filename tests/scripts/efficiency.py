@@ -7,10 +7,13 @@ MODE ``input``: every batch takes SLEEP seconds to read (a PyDataset sleeping in
 step. MODE ``comm``: a model of about 4.2M parameters (17 MB of float32 gradients) on a
 batch of 2, whose gradient allreduce dominates the step. MODE ``plain``: none of these.
 MODE ``crash``: rank 1 raises in a callback before step FAULT_STEP. MODE ``stall``: rank 1
-sleeps 120 s there (the stall inspector ends the job).
+sleeps 120 s there (the stall inspector ends the job). MODE ``sigterm``: rank 1 sends itself
+SIGTERM there and sleeps (what Slurm's time limit or mpirun's teardown does to a rank).
 Rank 0 prints the report (verbose=2).
 """
 
+import os
+import signal
 import sys
 import time
 
@@ -50,6 +53,9 @@ class SlowRank(keras.callbacks.Callback):
             if MODE == "crash":
                 raise RuntimeError(f"rank 1 fails on purpose before step {batch}")
             if MODE == "stall":
+                time.sleep(120)
+            if MODE == "sigterm":
+                os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(120)
 
 
