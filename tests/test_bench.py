@@ -150,3 +150,32 @@ def test_image_models_take_their_input_channels_first_when_asked():
     assert MODELS["cifar-cnn"].shape("channels_first") == (3, 32, 32)
     assert MODELS["resnet50"].shape("channels_last") == (224, 224, 3)
     assert MODELS["mlp-tiny"].shape("channels_first") == (32,)  # no channels to move
+
+
+@pytest.mark.job
+@requires_mpirun
+def test_recorder_rows_alternate_and_steps_per_execution_rows_time_whole_executions(tmp_path):
+    # one 2-process job: rows off, on, off, on (the recorder dropped before each off row), each
+    # at steps_per_execution 1 and 2; an on row keeps its efficiency report and its trace
+    result = assert_ok(bench("--cpu", "--gpus", "2", "--model", "mlp-tiny", "--steps", "5",
+                             "--window", "3", "--data", "host", "--recorder", "off,on,off,on",
+                             "--steps-per-execution", "1,2", "--out", str(tmp_path)))
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    labels = ["recorder off #1", "recorder on #1", "recorder off #2", "recorder on #2"]
+    assert [r["variant"] for r in rows] == labels + [
+        f"{label}, steps_per_execution 2" for label in labels], explain(result)
+    assert [r["recorder"] for r in rows] == [False, True] * 4
+    assert all(r["img_per_sec"] > 0 for r in rows)
+    assert all("efficiency of fit" in r["efficiency_report"] for r in rows if r["recorder"])
+    assert all("efficiency_report" not in r for r in rows if not r["recorder"])
+    trace = json.loads((tmp_path / "logs" / f"{BACKEND}-mlp-tiny-float32-np2.timeline-host.json")
+                       .read_text())
+    assert {e["pid"] for e in trace["traceEvents"] if e.get("ph") == "X"} == {0, 1}
+    assert "(host, prefetch 2, recorder on #2, steps_per_execution 2, batch" in result.stdout
+
+
+def test_bad_steps_per_execution_and_recorder_values_exit_2():
+    for argv, message in ((["--steps-per-execution", "0"], "expected integers >= 1"),
+                          (["--recorder", "maybe"], "unknown maybe")):
+        result = bench("--cpu", "--model", "mlp-tiny", *argv, job=False)
+        assert result.returncode == 2 and message in result.stderr, explain(result)

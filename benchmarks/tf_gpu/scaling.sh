@@ -17,6 +17,7 @@
 #              all-reduces kept synchronous; 1 and 2 GPUs: steps_per_execution 1,4,8,16 (spe)
 #              and the per-batch logs one step late (lag_logs: Keras then no longer waits for
 #              every step) (VARIANTS= picks a subset)
+#   recorder   1 and 2 GPUs: --recorder off,on,off,on (issue 40's cost, alternated against drift)
 #   hlo        2 GPUs, bf16: XLA's optimized HLO of the train step dumped; its all-reduces,
 #              command buffers and async pairs counted
 set -u
@@ -43,6 +44,11 @@ stage_allreduce() {
 stage_bench() {
   "${BENCH[@]}" --gpus 1,2 --profile --recorder off,on --out "$1/bench" > "$1/bench.log" 2>&1
   echo "bench: exit $?"; summary "$1/bench.log"; rm -f "$1/bench/results.png"
+}
+
+stage_recorder() {
+  "${BENCH[@]}" --gpus 1,2 --recorder off,on,off,on --out "$1/bench" > "$1/bench.log" 2>&1
+  echo "recorder: exit $?"; summary "$1/bench.log"; rm -f "$1/bench/results.png"
 }
 
 stage_controls() {

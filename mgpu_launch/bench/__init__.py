@@ -99,9 +99,9 @@ def get_parser() -> argparse.ArgumentParser:
     add("--steps-per-execution", default="1",
         help="comma-separated Keras steps_per_execution values, one row each (default: 1)")
     add("--recorder", default="on",
-        help="off,on: one row with the timeline recorder off (MGPU_EFFICIENCY_REPORT=0) and one "
-             "with it on: what it costs; the on row keeps its efficiency report and writes its "
-             "trace to logs/ (default: on, what users get)")
+        help="off,on (or off,on,off,on: alternated, against drift): rows with the timeline "
+             "recorder off (MGPU_EFFICIENCY_REPORT=0) and on: what it costs; an on row keeps its "
+             "efficiency report and writes its trace to logs/ (default: on, what users get)")
     add("--compression", default="none", choices=["none", "fp16", "bf16"],
         help="the gradients' wire format (mgpu.Compression; default: %(default)s)")
     add("--profile", action="store_true",

@@ -48,7 +48,8 @@ def get_parser(description: str = __doc__.split("\n\n")[0]) -> argparse.Argument
                         help="comma-separated: one row per value (the model's "
                              "steps_per_execution, its train function rebuilt)")
     parser.add_argument("--recorder", default="on",
-                        help="comma-separated off,on: one row each with the timeline recorder "
+                        help="comma-separated off/on, in order (off,on,off,on alternates): one "
+                             "row each with the timeline recorder "
                              "(the efficiency report, MGPU_EFFICIENCY_REPORT) off / on; an on "
                              "row keeps its report and writes its trace beside --result")
     return parser
@@ -189,8 +190,11 @@ def main(argv=None) -> None:
     rows = []
     step_timer = StepTimer(keras.backend.backend())
     graphs = args.cuda_graph.split(",") if keras.backend.backend() == "torch" else ["0"]
-    # Once recording starts it stays on for the job: the rows without it run first.
-    recorders = sorted(set(args.recorder.split(",")), key=("off", "on").index)
+    # In the order given (off,on,off,on alternates); repeats are numbered in the row's variant.
+    recorders = args.recorder.split(",")
+    labels = [f"recorder {r}" + (f" #{recorders[:i + 1].count(r)}"
+                                 if recorders.count(r) > 1 else "")
+              for i, r in enumerate(recorders)] if len(recorders) > 1 else [""] * len(recorders)
     for graph, executions in [(g, int(k)) for g in graphs
                               for k in args.steps_per_execution.split(",")]:
         os.environ["MGPU_TORCH_CUDA_GRAPH"] = graph
@@ -201,12 +205,15 @@ def main(argv=None) -> None:
         model.train_function = step_timer.wrap(graphed)
         for mode in args.data.split(","):
             depths = [int(d) for d in args.prefetch.split(",")]
-            for depth, recorder in [(d, r) for d in (depths[:1] if mode == "device" else depths)
-                                    for r in recorders]:
+            for depth, recorder, label in [
+                    (d, r, lab) for d in (depths[:1] if mode == "device" else depths)
+                    for r, lab in zip(recorders, labels)]:
                 os.environ["MGPU_PREFETCH"] = str(depth)
                 os.environ["MGPU_EFFICIENCY_REPORT"] = "1" if recorder == "on" else "0"
+                if recorder == "off":
+                    timeline.discard()  # an earlier on row started it
                 variant = ", ".join(filter(None, [
-                    f"recorder {recorder}" if len(recorders) > 1 else "",
+                    label,
                     f"steps_per_execution {executions}" if executions > 1 else ""])) or None
                 name = f"data {mode}, prefetch {depth}, cuda graph {graph}" + (
                     f", {variant}" if variant else "")

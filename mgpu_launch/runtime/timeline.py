@@ -216,6 +216,17 @@ def ensure_recording(state) -> None:
         _recorder = Recorder()
 
 
+def discard() -> bool:
+    """Stop recording for the efficiency report alone (no timeline file asked for) and drop
+    what was recorded; returns whether it stopped. mgpu-bench alternates rows with and
+    without the recorder with it; a fit with the report on starts recording again."""
+    global _recorder
+    if _path is not None:
+        return False
+    _recorder = None
+    return True
+
+
 def start(path: str, state) -> None:
     """Record every rank's timeline, to be written to `path` by :func:`stop` (collective).
 
