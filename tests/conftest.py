@@ -230,6 +230,24 @@ def gone_after_kill(victim, text, limit=30.0):
     return time.monotonic() - killed_at
 
 
+@pytest.fixture(scope="session")
+def resume_reference(tmp_path_factory):
+    """An uninterrupted 2-rank run of tests/scripts/resume.py on the backend under test: the
+    weights every killed-and-resumed run of it must end with. tests/training/test_resume.py and
+    tests/launcher/test_restart.py compare with this one job instead of one of their own each
+    (its weights do not depend on how often it backs up: backups only read them).
+
+    Returns:
+        (the folder holding its rank.N.npz, the BackupAndRestore folder it was given)
+    """
+    directory = tmp_path_factory.mktemp("resume_reference")
+    out, backup = directory / "out", directory / "backup"
+    out.mkdir()
+    assert_ok(launch("-np", "2", os.path.join(SCRIPTS, "resume.py"), str(backup), str(out),
+                     timeout=180, KERAS_BACKEND=BACKEND, TF_CPP_MIN_LOG_LEVEL="2"))
+    return out, backup
+
+
 @contextlib.contextmanager
 def daemons_up(script, directory, needs, *args, env=None):
     """``script up DIR [args...]`` (scripts/cluster.sh, scripts/slurm.sh) with `env` (None: this

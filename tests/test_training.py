@@ -2,7 +2,10 @@
 
 Every run is a real `mgpu-train` job training a Dense model through `model.fit`; the reference
 is the same script on one process with the plain optimizer and the global batch. scripts/test.sh
-runs this module once per backend.
+runs this module once per backend. The runs that need no environment of their own share a job:
+the 1-process ones one process, the 2-process ones one `mgpu-train -np 2` job (each config a
+fresh model; each test checks its own config's files), since a rank's start-up (importing the
+framework) costs more than its training here.
 """
 
 import json
@@ -24,15 +27,34 @@ TRAIN = os.path.join(SCRIPTS, "train.py")
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_BACKEND": BACKEND, "MGPU_PREFETCH": "2"}
 
 
+def _read(out, count):
+    """The weights (by rank, in layer order) and rank.N.json files a run wrote to `out`."""
+    weights = [[arr for _, arr in sorted(np.load(out / f"rank.{r}.npz").items(),
+                                        key=lambda kv: int(kv[0].split("_")[1]))]
+               for r in range(count)]
+    info = [json.loads((out / f"rank.{r}.json").read_text()) for r in range(count)]
+    return weights, info
+
+
 def train(tmp_path_factory, config, np_=None, **env):
     out = tmp_path_factory.mktemp("run")
     argv = (["-np", str(np_)] if np_ else []) + [TRAIN, json.dumps(config), str(out)]
     launch_ok(*argv, timeout=300, **QUIET, **env)
-    weights = [[arr for _, arr in sorted(np.load(out / f"rank.{r}.npz").items(),
-                                        key=lambda kv: int(kv[0].split("_")[1]))]
-               for r in range(np_ or 1)]
-    info = [json.loads((out / f"rank.{r}.json").read_text()) for r in range(np_ or 1)]
-    return weights, info
+    return _read(out, np_ or 1)
+
+
+def train_each(tmp_path_factory, configs, np_=None):
+    """One job that trains every config of `configs` (name -> config) in turn, each on a fresh
+    model (scripts/train.py with a list): one framework start-up per rank, not one per config.
+
+    Returns:
+        name -> (weights by rank, infos by rank), as train() returns them.
+    """
+    out = tmp_path_factory.mktemp("runs")
+    listed = [{"name": name, **config} for name, config in configs.items()]
+    argv = (["-np", str(np_)] if np_ else []) + [TRAIN, json.dumps(listed), str(out)]
+    launch_ok(*argv, timeout=600, **QUIET)
+    return {name: _read(out / name, np_ or 1) for name in configs}
 
 
 def assert_same(actual, expected, rtol=1e-5, atol=1e-6):
@@ -47,18 +69,48 @@ def assert_ranks_identical(weights):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def one_process(tmp_path_factory):
+    """The 1-process runs, in one process: the plain-optimizer references (global batch) every
+    distributed run must match, then test_single_process_accumulation's run (last: the plain
+    runs come before any DistributedOptimizer in the process)."""
+    return train_each(tmp_path_factory, {
+        "sgd": {"plain": True},
+        "adam": {"plain": True, "optimizer": "adam", "lr": 0.01},
+        "sgd_2lr": {"plain": True, "lr": 0.2},
+        "sgd_batch16": {"plain": True, "global_batch": 16},
+        "accumulation": {"passes": 2, "global_batch": 16},
+    })
+
+
+@pytest.fixture(scope="module")
+def reference(one_process):
     """1 process, plain optimizer, global batch: the weights every distributed run must match."""
-    return {
-        "sgd": train(tmp_path_factory, {"plain": True})[0][0],
-        "adam": train(tmp_path_factory, {"plain": True, "optimizer": "adam", "lr": 0.01})[0][0],
-        "sgd_2lr": train(tmp_path_factory, {"plain": True, "lr": 0.2})[0][0],
-        "sgd_batch16": train(tmp_path_factory, {"plain": True, "global_batch": 16})[0][0],
-    }
+    return {name: one_process[name][0][0] for name in ("sgd", "adam", "sgd_2lr", "sgd_batch16")}
 
 
-def test_two_processes_equal_one_process_with_the_global_batch(tmp_path_factory, reference):
-    weights, info = train(tmp_path_factory, {}, np_=2)
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """The 2-process runs of the tests below, in one `mgpu-train -np 2` job (each a fresh model
+    and DistributedOptimizer; each test checks its own); "saved" also writes the model that
+    test_save_load_continue_equals_uninterrupted loads in a job of its own.
+
+    Returns:
+        (name -> (weights by rank, infos by rank), the saved model's path)
+    """
+    model_path = str(tmp_path_factory.mktemp("ckpt") / "model.keras")
+    return train_each(tmp_path_factory, {
+        "global_batch": {},
+        "adam": {"optimizer": "adam", "lr": 0.01},
+        "op_sum": {"op": "sum"},
+        "passes": {"passes": 2, "global_batch": 16},
+        "fp16": {"compression": "fp16"},
+        "seeds": {"seed_per_rank": 1},
+        "saved": {"epochs": 2, "save_to": model_path},
+    }, np_=2), model_path
+
+
+def test_two_processes_equal_one_process_with_the_global_batch(two_processes, reference):
+    weights, info = two_processes[0]["global_batch"]
     assert_ranks_identical(weights)
     assert_same(weights[0], reference["sgd"])
     assert info[0]["optimizer"] == "DistributedOptimizer"
@@ -69,38 +121,38 @@ def test_two_processes_equal_one_process_with_the_global_batch(tmp_path_factory,
     assert info[0]["loss"] == info[1]["loss"]
 
 
-def test_adam(tmp_path_factory, reference):
-    weights, _ = train(tmp_path_factory, {"optimizer": "adam", "lr": 0.01}, np_=2)
+def test_adam(two_processes, reference):
+    weights, _ = two_processes[0]["adam"]
     assert_ranks_identical(weights)
     assert_same(weights[0], reference["adam"])
 
 
 @pytest.mark.first_backend
-def test_op_sum_doubles_the_gradient(tmp_path_factory, reference):
+def test_op_sum_doubles_the_gradient(two_processes, reference):
     # SGD with momentum is linear in the gradient: summing 2 ranks == averaging with 2x lr.
-    weights, _ = train(tmp_path_factory, {"op": "sum"}, np_=2)
+    weights, _ = two_processes[0]["op_sum"]
     assert_same(weights[0], reference["sgd_2lr"])
 
 
-def test_backward_passes_per_step(tmp_path_factory, reference):
+def test_backward_passes_per_step(two_processes, reference):
     # 2 ranks x 2 local passes of 4 == one update over a global batch of 16.
-    weights, info = train(tmp_path_factory, {"passes": 2, "global_batch": 16}, np_=2)
+    weights, info = two_processes[0]["passes"]
     assert_ranks_identical(weights)
     assert_same(weights[0], reference["sgd_batch16"])
     assert info[0]["iterations"] == 3 * 96 // 16
 
 
-def test_fp16_compression_is_close(tmp_path_factory, reference):
+def test_fp16_compression_is_close(two_processes, reference):
     # fp16 on the wire keeps ~3 significant digits per gradient element.
-    weights, _ = train(tmp_path_factory, {"compression": "fp16"}, np_=2)
+    weights, _ = two_processes[0]["fp16"]
     assert_ranks_identical(weights)
     assert_same(weights[0], reference["sgd"], rtol=1e-2, atol=1e-3)
 
 
 @pytest.mark.first_backend
-def test_different_seeds_start_from_rank_0(tmp_path_factory, reference):
+def test_different_seeds_start_from_rank_0(two_processes, reference):
     # No BroadcastGlobalVariablesCallback: the optimizer's first step does it.
-    weights, _ = train(tmp_path_factory, {"seed_per_rank": 1}, np_=2)
+    weights, _ = two_processes[0]["seeds"]
     assert_ranks_identical(weights)
     assert_same(weights[0], reference["sgd"])
 
@@ -112,9 +164,9 @@ def test_mpi_transport(tmp_path_factory, reference):
     assert_same(weights[0], reference["sgd"])
 
 
-def test_save_load_continue_equals_uninterrupted(tmp_path_factory, reference):
-    model_path = str(tmp_path_factory.mktemp("ckpt") / "model.keras")
-    train(tmp_path_factory, {"epochs": 2, "save_to": model_path}, np_=2)
+def test_save_load_continue_equals_uninterrupted(tmp_path_factory, two_processes, reference):
+    # Saved after 2 epochs by the two_processes job; loaded and trained on in a fresh job.
+    model_path = two_processes[1]
     weights, info = train(tmp_path_factory, {"epochs": 1, "load_from": model_path}, np_=2)
     assert info[0]["optimizer"] == "DistributedOptimizer"
     assert_ranks_identical(weights)
@@ -154,8 +206,8 @@ def test_explicit_xla_on_cpu_is_refused_clearly(tmp_path_factory):
     assert "cannot be compiled with XLA" in result.stderr, explain(result)
 
 
-def test_single_process_accumulation(tmp_path_factory, reference):
+def test_single_process_accumulation(one_process, reference):
     # No launcher: size 1, no collectives; 2 passes of 8 == one update over 16.
-    weights, info = train(tmp_path_factory, {"passes": 2, "global_batch": 16})
+    weights, info = one_process["accumulation"]
     assert_same(weights[0], reference["sgd_batch16"])
     assert info[0]["optimizer"] == "DistributedOptimizer"

@@ -18,6 +18,12 @@ FAIL = os.path.join(SCRIPTS, "fail.py")
 
 pytestmark = [requires_mpirun, pytest.mark.job]
 
+# These ranks test the launcher (placement, host collectives, output, exit codes, teardown), not
+# training: MGPU_ENGINE=none keeps Keras and its framework out of them (a TensorFlow rank costs
+# ~4 s of CPU to start on a 2-core box). The engine's own start-up runs in every training test;
+# the one failing-rank case that needs TensorFlow's start-up lines keeps it.
+NO_ENGINE = {"MGPU_ENGINE": "none"}
+
 
 def read_reports(directory, size):
     reports = []
@@ -43,7 +49,7 @@ def check_two_rank_reports(reports):
 
 
 def test_standalone_two_ranks(tmp_path):
-    result = launch_ok("-np", "2", REPORT, str(tmp_path))
+    result = launch_ok("-np", "2", REPORT, str(tmp_path), **NO_ENGINE)
     check_two_rank_reports(read_reports(tmp_path, 2))
     assert reports_argv_ok(read_reports(tmp_path, 2), [str(tmp_path)])
     # Only rank 0's stdout by default, tagged with its rank.
@@ -57,7 +63,7 @@ def reports_argv_ok(reports, argv):
 def test_all_ranks_output_and_per_rank_logs(tmp_path):
     logs = tmp_path / "logs"
     result = launch_ok("-np", "2", "--all-ranks-output", "--output-dir", str(logs), REPORT,
-                       str(tmp_path))
+                       str(tmp_path), **NO_ENGINE)
     assert "[0] rank 0 done" in result.stdout and "[1] rank 1 done" in result.stdout
     for rank in range(2):
         assert f"rank {rank} done" in (logs / f"rank.{rank}.log").read_text()
@@ -66,14 +72,14 @@ def test_all_ranks_output_and_per_rank_logs(tmp_path):
 def test_under_plain_mpirun(tmp_path):
     command = [find_mpirun(), "-np", "2", "--oversubscribe", sys.executable, "-m", "mgpu_launcher",
                REPORT, str(tmp_path)]
-    assert_ok(subprocess.run(command, cwd=ROOT, env=job_env(), capture_output=True, text=True,
-                             timeout=120))
+    assert_ok(subprocess.run(command, cwd=ROOT, env=job_env(**NO_ENGINE), capture_output=True,
+                             text=True, timeout=120))
     check_two_rank_reports(read_reports(tmp_path, 2))
 
 
 def test_module_and_code_modes():
     code = "import sys, mgpu_launch as m; m.init(); print('code', m.rank(), m.size(), sys.argv)"
-    result = launch_ok("-np", "2", "--all-ranks-output", "-c", code, "a1")
+    result = launch_ok("-np", "2", "--all-ranks-output", "-c", code, "a1", **NO_ENGINE)
     assert "[1] code 1 2 ['-c', 'a1']" in result.stdout
     result = launch_ok("-np", "2", "-m", "json.tool", "--help")
     assert "[0] usage:" in result.stdout
@@ -101,7 +107,10 @@ def test_exit_status_is_pythons():
 ])
 def test_a_failing_rank_stops_the_job_fast(how, cause, tmp_path):
     failed_at = tmp_path / "failed_at"  # fail.py writes time.time() just before failing
-    result = launch("-np", "2", FAIL, how, "1", str(failed_at), timeout=120)
+    # A SIGKILLed rank's summary shows its last stderr lines: that case keeps TensorFlow (the
+    # engine's default), whose start-up lines must not be among them.
+    result = launch("-np", "2", FAIL, how, "1", str(failed_at), timeout=120,
+                    **({} if how == "signal" else NO_ENGINE))
     ended = time.time()
     assert result.returncode != 0, explain(result)
     assert cause in result.stderr, explain(result)
@@ -128,7 +137,7 @@ def test_too_few_slots_is_a_root_cause_with_its_fix():
 def test_sigterm_to_the_launcher_leaves_nothing_behind(tmp_path):
     pidfile = str(tmp_path / "pid")
     proc = subprocess.Popen([sys.executable, "-m", "mgpu_launcher", "-np", "2", FAIL, "hang", "99", pidfile],
-                            cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, env=job_env(**NO_ENGINE), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while len(glob.glob(pidfile + ".*")) < 2:
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
@@ -151,7 +160,7 @@ def test_sigkill_to_the_launcher_leaves_no_process(tmp_path):
     pidfile, log = str(tmp_path / "pid"), tmp_path / "stderr"
     with open(log, "w") as stderr:  # a file: the reaper may hold it open a few seconds more
         proc = subprocess.Popen([sys.executable, "-m", "mgpu_launcher", "-np", "2", FAIL, "hang",
-                                 "99", pidfile], cwd=ROOT, env=job_env(),
+                                 "99", pidfile], cwd=ROOT, env=job_env(**NO_ENGINE),
                                 stdout=subprocess.DEVNULL, stderr=stderr)
     try:
         wait_for_ranks(pidfile, 2, proc, log)

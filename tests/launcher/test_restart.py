@@ -64,15 +64,14 @@ def _resume(backup, out, *kill, **env):
                   TF_CPP_MIN_LOG_LEVEL="2", **env)
 
 
-def _check_restart_equals_uninterrupted(tmp_path, **env):
-    (tmp_path / "ref").mkdir()
+def _check_restart_equals_uninterrupted(tmp_path, resume_reference, **env):
+    # resume_reference (tests/conftest.py): the uninterrupted run, one job for all such tests
     (tmp_path / "restarted").mkdir()
-    assert_ok(_resume(tmp_path / "ref-backup", tmp_path / "ref", **env))
     restarted = assert_ok(_resume(tmp_path / "backup", tmp_path / "restarted", "2", **env))
     assert "root cause: rank 1 failed first: killed by signal 9" in restarted.stderr
     assert "BackupAndRestore: resuming" in restarted.stdout, explain(restarted)
     from test_resume import weights  # here, not at the top: it imports no backend, but
-    expected, got = weights(tmp_path / "ref"), weights(tmp_path / "restarted")
+    expected, got = weights(resume_reference[0]), weights(tmp_path / "restarted")
     for rank in range(2):
         for a, b in zip(got[rank], expected[0], strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
@@ -83,8 +82,8 @@ def _check_restart_equals_uninterrupted(tmp_path, **env):
 @pytest.mark.backend
 @pytest.mark.job
 @pytest.mark.usefixtures("backend")
-def test_restarted_with_epoch_backups_ends_like_an_uninterrupted_run(tmp_path):
-    _check_restart_equals_uninterrupted(tmp_path)
+def test_restarted_with_epoch_backups_ends_like_an_uninterrupted_run(tmp_path, resume_reference):
+    _check_restart_equals_uninterrupted(tmp_path, resume_reference)
 
 
 # The kill is mid-epoch (epoch 2, batch 2) and the backup every 3 steps
@@ -93,8 +92,8 @@ def test_restarted_with_epoch_backups_ends_like_an_uninterrupted_run(tmp_path):
 @pytest.mark.backend
 @pytest.mark.job
 @pytest.mark.usefixtures("backend")
-def test_restarted_with_step_backups_ends_like_an_uninterrupted_run(tmp_path):
-    _check_restart_equals_uninterrupted(tmp_path, RESUME_SAVE_FREQ="3")
+def test_restarted_with_step_backups_ends_like_an_uninterrupted_run(tmp_path, resume_reference):
+    _check_restart_equals_uninterrupted(tmp_path, resume_reference, RESUME_SAVE_FREQ="3")
 
 
 # Keras's fit(shuffle=True) is the default: shard()'s data must not be reordered by it, or the

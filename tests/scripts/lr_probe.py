@@ -1,6 +1,10 @@
 """Test worker: a one-weight model whose every update reveals the learning rate the step used.
 
     mgpu-train -np 2 lr_probe.py '<json config>' OUT_DIR
+    mgpu-train -np 2 lr_probe.py '[<json config with "name">, ...]' OUT_DIR
+
+A list runs each config in turn in this one job (one start-up of the framework), each on a
+fresh model, optimizer and callbacks, writing to OUT_DIR/<name>/.
 
 The model is w * x with x = 1 and loss = mean(w * x), so the gradient is exactly 1 on every rank
 and, without momentum, w drops by the learning rate at each step. Config: optimizer ("sgd",
@@ -20,18 +24,6 @@ import mgpu_launch as mgpu
 mgpu.init()
 import keras  # noqa: E402
 
-config, out_dir = json.loads(sys.argv[1]), sys.argv[2]
-lr = config.get("lr", 0.1)
-kind = config.get("optimizer", "sgd")
-if kind == "schedule":
-    inner = keras.optimizers.SGD(keras.optimizers.schedules.ExponentialDecay(lr, 1, 0.9))
-else:
-    inner = keras.optimizers.SGD(lr, momentum=0.9 if kind == "momentum" else 0.0)
-model = keras.Sequential([keras.Input((1,)),
-                          keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
-model.compile(optimizer=mgpu.DistributedOptimizer(inner),
-              loss=lambda y_true, y_pred: keras.ops.mean(y_pred))
-
 
 class Record(keras.callbacks.Callback):
     def __init__(self):
@@ -45,17 +37,38 @@ class Record(keras.callbacks.Callback):
         self.lrs.append(logs.get("lr"))
 
 
-callbacks = []
-if config.get("warmup_epochs"):
-    callbacks.append(mgpu.callbacks.LearningRateWarmupCallback(
-        lr, warmup_epochs=config["warmup_epochs"]))
-if config.get("schedule"):
-    start_lr, multiplier, start, end = config["schedule"]
-    callbacks.append(mgpu.callbacks.LearningRateScheduleCallback(
-        start_lr, multiplier, start_epoch=start, end_epoch=end))
-record = Record()
-x = np.ones((8, 1), "float32")
-model.fit(x, x, batch_size=2, epochs=config.get("epochs", 3), shuffle=False, verbose=0,
-          callbacks=callbacks + [record])
-with open(os.path.join(out_dir, f"rank.{mgpu.rank()}.json"), "w") as f:
-    json.dump({"weights": record.weights, "lrs": record.lrs}, f)
+def probe(config, out_dir):
+    """Train as `config` says; writes OUT_DIR/rank.<rank>.json."""
+    lr = config.get("lr", 0.1)
+    kind = config.get("optimizer", "sgd")
+    if kind == "schedule":
+        inner = keras.optimizers.SGD(keras.optimizers.schedules.ExponentialDecay(lr, 1, 0.9))
+    else:
+        inner = keras.optimizers.SGD(lr, momentum=0.9 if kind == "momentum" else 0.0)
+    model = keras.Sequential([keras.Input((1,)),
+                              keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
+    model.compile(optimizer=mgpu.DistributedOptimizer(inner),
+                  loss=lambda y_true, y_pred: keras.ops.mean(y_pred))
+    callbacks = []
+    if config.get("warmup_epochs"):
+        callbacks.append(mgpu.callbacks.LearningRateWarmupCallback(
+            lr, warmup_epochs=config["warmup_epochs"]))
+    if config.get("schedule"):
+        start_lr, multiplier, start, end = config["schedule"]
+        callbacks.append(mgpu.callbacks.LearningRateScheduleCallback(
+            start_lr, multiplier, start_epoch=start, end_epoch=end))
+    record = Record()
+    x = np.ones((8, 1), "float32")
+    model.fit(x, x, batch_size=2, epochs=config.get("epochs", 3), shuffle=False, verbose=0,
+              callbacks=callbacks + [record])
+    with open(os.path.join(out_dir, f"rank.{mgpu.rank()}.json"), "w") as f:
+        json.dump({"weights": record.weights, "lrs": record.lrs}, f)
+
+
+configs, out_dir = json.loads(sys.argv[1]), sys.argv[2]
+if isinstance(configs, dict):
+    probe(configs, out_dir)
+else:
+    for config in configs:
+        os.makedirs(os.path.join(out_dir, config["name"]), exist_ok=True)
+        probe(config, os.path.join(out_dir, config["name"]))

@@ -2,7 +2,8 @@
 
 tests/scripts/lr_probe.py trains w * x with gradient exactly 1, so the weight after each batch
 reveals the rate (and, with momentum, the velocity) the step applied. Every case runs on 2
-processes (size enters the warm-up formula), on the backend in KERAS_BACKEND.
+processes (size enters the warm-up formula), on the backend in KERAS_BACKEND; one job runs
+every case (CONFIGS).
 """
 
 import json
@@ -19,11 +20,31 @@ PROBE = os.path.join(SCRIPTS, "lr_probe.py")
 STEPS, SIZE, LR = 4, 2, 0.1  # 8 samples per rank, batch 2; 2 processes
 
 
-def probe(tmp_path, config):
-    launch_ok("-np", str(SIZE), PROBE, json.dumps(config), str(tmp_path), timeout=180,
+#: every probe run of the tests below, by name: one job runs them all in turn (each a fresh
+#: model, optimizer and callbacks; each test checks its own), since a rank's start-up
+#: (importing the framework) costs more than these 12-step fits
+CONFIGS = {
+    "warmup": {"warmup_epochs": 2, "epochs": 3},
+    "momentum": {"warmup_epochs": 2, "epochs": 3, "optimizer": "momentum"},
+    "warmup_schedule": {"warmup_epochs": 2, "epochs": 3, "optimizer": "schedule"},
+    "multiplier": {"schedule": [LR, 0.5, 1, 3], "epochs": 3},
+}
+
+
+@pytest.fixture(scope="module")
+def probed(tmp_path_factory):
+    """name -> what every rank of CONFIGS[name]'s run recorded."""
+    out = tmp_path_factory.mktemp("probes")
+    listed = [{"name": name, **config} for name, config in CONFIGS.items()]
+    launch_ok("-np", str(SIZE), PROBE, json.dumps(listed), str(out), timeout=300,
               KERAS_BACKEND=BACKEND, TF_CPP_MIN_LOG_LEVEL="2")
-    ranks = [json.loads((tmp_path / f"rank.{r}.json").read_text()) for r in range(SIZE)]
-    assert ranks[0] == ranks[1]  # every rank used the same rates
+    return {name: [json.loads((out / name / f"rank.{r}.json").read_text())
+                   for r in range(SIZE)] for name in CONFIGS}
+
+
+def probe(probed, name):
+    ranks = probed[name]
+    assert ranks[0] == ranks[1], name  # every rank used the same rates
     return ranks[0]
 
 
@@ -54,16 +75,16 @@ def warmup_rates(epochs, warmup_epochs):
 
 
 @pytest.mark.job
-def test_warmup_rate_used_at_every_batch_follows_the_formula(tmp_path):
-    result = probe(tmp_path, {"warmup_epochs": 2, "epochs": 3})
+def test_warmup_rate_used_at_every_batch_follows_the_formula(probed):
+    result = probe(probed, "warmup")
     used = -np.diff([0.0] + result["weights"])
     np.testing.assert_allclose(used, warmup_rates(3, 2), rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(result["lrs"], [LR * 0.75, LR, LR], rtol=1e-6)  # logs["lr"]
 
 
 @pytest.mark.job
-def test_momentum_correction_reaches_the_compiled_step(tmp_path):
-    result = probe(tmp_path, {"warmup_epochs": 2, "epochs": 3, "optimizer": "momentum"})
+def test_momentum_correction_reaches_the_compiled_step(probed):
+    result = probe(probed, "momentum")
     np.testing.assert_allclose(result["weights"],
                                expected_weights(warmup_rates(3, 2), momentum=0.9),
                                rtol=1e-5, atol=1e-6)
@@ -71,8 +92,8 @@ def test_momentum_correction_reaches_the_compiled_step(tmp_path):
 
 @pytest.mark.first_backend
 @pytest.mark.job
-def test_warmup_multiplies_a_learning_rate_schedule(tmp_path):
-    result = probe(tmp_path, {"warmup_epochs": 2, "epochs": 3, "optimizer": "schedule"})
+def test_warmup_multiplies_a_learning_rate_schedule(probed):
+    result = probe(probed, "warmup_schedule")
     used = -np.diff([0.0] + result["weights"])
     decay = [0.9 ** step for step in range(3 * STEPS)]
     np.testing.assert_allclose(used, np.array(warmup_rates(3, 2)) * decay, rtol=1e-5)
@@ -80,9 +101,9 @@ def test_warmup_multiplies_a_learning_rate_schedule(tmp_path):
 
 @pytest.mark.first_backend
 @pytest.mark.job
-def test_schedule_with_a_constant_multiplier(tmp_path):
+def test_schedule_with_a_constant_multiplier(probed):
     # lr x 0.5^(epoch - 1) for epochs 1 and 2; epoch 0 keeps the optimizer's own 0.1.
-    result = probe(tmp_path, {"schedule": [LR, 0.5, 1, 3], "epochs": 3})
+    result = probe(probed, "multiplier")
     used = -np.diff([0.0] + result["weights"])
     np.testing.assert_allclose(used, [LR] * STEPS + [LR] * STEPS + [LR / 2] * STEPS, rtol=1e-6)
 

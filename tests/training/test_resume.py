@@ -24,11 +24,10 @@ def weights(out):
 
 @pytest.mark.first_backend
 @pytest.mark.job
-def test_killed_mid_epoch_then_restarted_equals_uninterrupted(tmp_path):
-    (tmp_path / "ref").mkdir()
+def test_killed_mid_epoch_then_restarted_equals_uninterrupted(tmp_path, resume_reference):
+    reference, reference_backup = resume_reference  # tests/conftest.py: the uninterrupted run
     (tmp_path / "resumed").mkdir()
-    assert_ok(run(tmp_path / "ref-backup", tmp_path / "ref"))
-    assert not (tmp_path / "ref-backup").exists()  # removed after a normal finish
+    assert not reference_backup.exists()  # removed after a normal finish
 
     killed = run(tmp_path / "backup", tmp_path / "resumed", "2")
     assert killed.returncode != 0
@@ -37,7 +36,7 @@ def test_killed_mid_epoch_then_restarted_equals_uninterrupted(tmp_path):
 
     resumed = assert_ok(run(tmp_path / "backup", tmp_path / "resumed"))
     assert "resuming at epoch 3" in resumed.stdout
-    expected, got = weights(tmp_path / "ref"), weights(tmp_path / "resumed")
+    expected, got = weights(reference), weights(tmp_path / "resumed")
     for rank in range(2):
         for a, b in zip(got[rank], expected[0], strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
