@@ -248,7 +248,7 @@ def reduce(engine, tensor, op: str, group=None):
                          f"its collective reduce only for sum and product). Call it from a "
                          f"tf.function without jit_compile=True, or outside the compiled step.")
     group = members(engine, group, op)
-    return _elementwise(engine, tensor, group, lambda t: _mpi_reduce(group.comm, t, op),
+    return _elementwise(engine, tensor, group, lambda t: mpi_reduce(group.comm, t, op),
                         lambda wire: engine.collective_reduce(wire, kind=op,
                                                               merge_op=_MERGE_OPS[op],
                                                               members=group))
@@ -370,7 +370,9 @@ def _mpi_broadcast(comm, tensor, root_rank):
     return _host_call(bcast, tensor, tensor.dtype, tensor.shape)
 
 
-def _mpi_reduce(comm, tensor, op):
+def mpi_reduce(comm, tensor, op):
+    """`tensor` reduced by MPI over `comm` (op: sum, min, max, product), out of the graph;
+    16-bit floats travel as float32."""
     from mpi4py import MPI
     mpi_op = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "product": MPI.PROD}[op]
 
