@@ -15,13 +15,13 @@ epochs, lr. Writes rank.N.json with w after every batch and the epoch logs' lr.
 
 import json
 import os
-import sys
 
 import numpy as np
 
 import mgpu_launch as mgpu
 
 mgpu.init()
+import configs  # noqa: E402 - tests/scripts/configs.py: one config or several
 import keras  # noqa: E402
 
 
@@ -65,10 +65,4 @@ def probe(config, out_dir):
         json.dump({"weights": record.weights, "lrs": record.lrs}, f)
 
 
-configs, out_dir = json.loads(sys.argv[1]), sys.argv[2]
-if isinstance(configs, dict):
-    probe(configs, out_dir)
-else:
-    for config in configs:
-        os.makedirs(os.path.join(out_dir, config["name"]), exist_ok=True)
-        probe(config, os.path.join(out_dir, config["name"]))
+configs.run_each(probe)

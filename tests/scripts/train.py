@@ -17,13 +17,13 @@ exactly the batches that 1 process x batch N*b sees.
 
 import json
 import os
-import sys
 
 import numpy as np
 
 import mgpu_launch as mgpu
 
 mgpu.init()
+import configs  # noqa: E402 - tests/scripts/configs.py: one config or several
 import keras  # noqa: E402 - after init, as the README asks
 
 import exact_math  # noqa: E402 - tests/scripts/exact_math.py: TF32 off on GPU sessions
@@ -83,10 +83,4 @@ def train(config, out_dir):
     print("trained", rank, history.history["loss"][-1])
 
 
-configs, out_dir = json.loads(sys.argv[1]), sys.argv[2]
-if isinstance(configs, dict):
-    train(configs, out_dir)
-else:
-    for config in configs:
-        os.makedirs(os.path.join(out_dir, config["name"]), exist_ok=True)
-        train(config, os.path.join(out_dir, config["name"]))
+configs.run_each(train)
