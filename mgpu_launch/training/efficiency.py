@@ -13,7 +13,7 @@ alone at its end, and rank 0 prints, when its ``verbose`` is 1 or more::
         waiting for a slower rank    45%  rank 1, 52 ms a step behind the others (callbacks)
         communication                12%  the gradient allreduce (4.2 MB) takes 6.1 ms alone; ...
         the rest                      2%  callbacks, validation, Keras's loop
-      advice: rank 1 is 98% slower than the others ...
+      advice: rank 1 arrives 52 ms a step after the others, in callbacks: ...
 
 This module is the analysis (pure functions of the recorded slices and the measured time);
 ``efficiency_report`` records, measures and prints. How each share is measured, from the
@@ -205,8 +205,8 @@ def advice(figures: Dict) -> str:
                 "PyDataset workers (workers=4, use_multiprocessing=True) or use tf.data with "
                 ".prefetch(tf.data.AUTOTUNE)")
     if largest == "wait" and figures["late"] is not None:
-        rank, _, slower, cause = figures["late"]
-        return (f"rank {rank} is {100 * slower:.0f}% slower than the others, in "
+        rank, behind, _, cause = figures["late"]  # ms, not a ratio to a step of a few ms
+        return (f"rank {rank} arrives {behind / 1e6:.0f} ms a step after the others, in "
                 f"{_WORDS[cause]}: another job on its GPU or CPU, or work only it does?")
     if largest == "wait":
         return "ranks take turns being late: look at the timeline (MGPU_TIMELINE=FILE)"

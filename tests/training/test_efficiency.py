@@ -74,7 +74,7 @@ def test_a_slow_rank_is_named_and_the_trace_has_one_aligned_track_per_rank(tmp_p
     assert report["waiting for a slower rank"] >= 40, result.stdout
     assert report["who"]["waiting for a slower rank"].startswith("rank 1,"), result.stdout
     assert report.get("communication", 100) < report["waiting for a slower rank"], result.stdout
-    assert report["advice"].startswith("rank 1 is"), result.stdout
+    assert report["advice"].startswith("rank 1 arrives "), result.stdout
 
     document = json.loads(trace.read_text())
     tracks = timelinekit.check_trace(document)
