@@ -237,8 +237,8 @@ def main(argv=None) -> None:
                 progress(f"{name}: {sum(per_rank):.0f} img/s; in the train function {host_ms} "
                          f"ms host, {device_ms} ms device per step")
                 if recorder == "on" and len(recorders) > 1:
-                    trace = timeline.write(f"{args.result[:-5]}.timeline-{mode}.json",
-                                           runtime.state)
+                    trace = timeline.write(
+                        f"{os.path.splitext(args.result)[0]}.timeline-{mode}.json", runtime.state)
                     rows[-1].update(efficiency_report=text, timeline=trace)
                     for line in (text or "(no efficiency report)").splitlines():
                         progress(line)

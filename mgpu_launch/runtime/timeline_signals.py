@@ -29,30 +29,38 @@ class _Watch:
     def __init__(self, dump: Callable[[str], object]):
         self.dump = dump
         self.read_fd, self.write_fd = os.pipe()
-        os.set_blocking(self.write_fd, False)
-        self.previous_fd = signal.set_wakeup_fd(self.write_fd)
+        try:
+            os.set_blocking(self.write_fd, False)
+            self.previous_fd = signal.set_wakeup_fd(self.write_fd)
+        except (ValueError, OSError):
+            os.close(self.read_fd)
+            os.close(self.write_fd)
+            raise
+
+    def start(self) -> None:
+        """Take SIGTERM over and start reading (once the wake-up fd is known to be ours)."""
         signal.signal(signal.SIGTERM, _nothing)
-        self.thread = threading.Thread(target=self._run, name="mgpu-timeline-sigterm",
-                                       daemon=True)
-        self.thread.start()
+        threading.Thread(target=self._run, name="mgpu-timeline-sigterm", daemon=True).start()
 
     def _run(self) -> None:
-        while True:
-            try:
+        try:
+            while True:
                 received = os.read(self.read_fd, 64)
-            except OSError:
-                return  # closed by stop()
-            if not received:
-                return
-            if signal.SIGTERM in received:
-                self.dump("SIGTERM")
-                os._exit(EXIT_STATUS)
+                if not received:
+                    return  # close() closed the writing end
+                if signal.SIGTERM in received:
+                    self.dump("SIGTERM")
+                    os._exit(EXIT_STATUS)
+        finally:
+            os.close(self.read_fd)  # here, so no read can meet a closed (or reused) fd
 
-    def close(self) -> None:
+    def close(self, started: bool = True) -> None:
+        """Give SIGTERM and the wake-up fd back; the reader ends on the pipe's end of file."""
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.set_wakeup_fd(self.previous_fd)
-        for fd in (self.write_fd, self.read_fd):
-            os.close(fd)
+        os.close(self.write_fd)
+        if not started:
+            os.close(self.read_fd)
 
 
 def _nothing(signum, frame) -> None:
@@ -88,8 +96,9 @@ def install(dump: Callable[[str], object]) -> bool:
     except (ValueError, OSError):
         return False
     if watch.previous_fd != -1:  # somebody else's wake-up fd (asyncio): give it back
-        watch.close()
+        watch.close(started=False)
         return False
+    watch.start()
     _watch = watch
     return True
 

@@ -30,6 +30,8 @@ REPEATS = 5
 
 
 def batch_size_of(arguments: Dict[str, Any]) -> Optional[int]:
+    """Samples per step of a ``fit`` call (its bound arguments), where Keras's own rule gives
+    it: arrays (``batch_size``, default 32) and a tf.data set with a static batch dimension."""
     data = arguments.get("x")
     if isinstance(data, keras.utils.PyDataset) or data is None:
         return None
