@@ -253,10 +253,6 @@ SETTINGS: Dict[str, Setting] = _declare(
       "TensorFlow: how sparse gradients are gathered: `static` (fixed-size buffers, compiles "
       "under XLA), `dynamic` (exact row counts; not under XLA); auto: static under XLA",
       choices=("auto", "dynamic", "static"), example="static"),
-    _("MGPU_TF_LAG_LOGS", "choice", "auto", RANKS,
-      "TensorFlow: hand callbacks each batch's logs one step late, so the host queues the next "
-      "step before it waits for one (the epoch's logs are unchanged); auto: on a GPU",
-      choices=("auto", "on", "off"), example="off"),
     _("MGPU_TF_HOST", "text", None, RANKS,
       "TensorFlow: the address the other ranks reach this one at", example="10.0.0.2",
       shown_default="the job's host address"),

@@ -15,8 +15,8 @@
 #              buffers; XLA's latency-hiding scheduler; collectives in command buffers; an
 #              optimization barrier around the gradient buffer (experiments/sitecustomize.py);
 #              all-reduces kept synchronous; 1 and 2 GPUs: steps_per_execution 1,4,8,16 (spe)
-#              and the per-batch logs one step late (lag_logs: the experiment hook; lag:
-#              mgpu's MGPU_TF_LAG_LOGS off, on) (VARIANTS= picks a subset)
+#              and the per-batch logs one step late (lag_logs: Keras then no longer waits for
+#              every step) (VARIANTS= picks a subset)
 #   recorder   1 and 2 GPUs: --recorder off,on,off,on (issue 40's cost, alternated against drift)
 #   hlo        2 GPUs, bf16: XLA's optimized HLO of the train step dumped; its all-reduces,
 #              command buffers and async pairs counted
@@ -79,8 +79,6 @@ stage_variants() {
         PYTHONPATH="$PWD/benchmarks/tf_gpu/experiments:$PYTHONPATH" ;;
       sync_allreduce) variant sync_allreduce XLA_FLAGS=--xla_gpu_disable_async_collectives=ALLREDUCE ;;
       spe) GPUS=1,2 EXTRA="--steps-per-execution 1,4,8,16" variant spe X=1 ;;
-      lag) for lag in ${LAGS:-off on}; do  # mgpu's MGPU_TF_LAG_LOGS (LAGS="off on off on")
-             GPUS=1,2 variant "lag_$lag" MGPU_TF_LAG_LOGS=$lag; done ;;
       lag_logs) GPUS=1,2 variant lag_logs TFX_LAG_LOGS=1 \
         PYTHONPATH="$PWD/benchmarks/tf_gpu/experiments:$PYTHONPATH" ;;
       *) echo "unknown variant $name" ;;

@@ -75,11 +75,6 @@ class Engine:
         """
         return function
 
-    def lags_train_logs(self) -> bool:
-        """Whether Keras's per-batch train logs should lag one step
-        (``mgpu_launch.training.lagged_logs``; the default: no)."""
-        return False
-
     def localize(self, tree):
         """This process's part of every value in `tree` the engine's step returned."""
         return tree

@@ -168,12 +168,6 @@ class TensorFlowEngine(Engine):
                 return tf.nest.map_structure(tf.identity, batch)
         return to_device
 
-    def lags_train_logs(self) -> bool:
-        """``MGPU_TF_LAG_LOGS``; auto: on a GPU, where Keras's wait for every step's logs
-        leaves the device idle while the next call is prepared."""
-        wanted = settings.choice("MGPU_TF_LAG_LOGS")
-        return self.computes_on_accelerator() if wanted == "auto" else wanted == "on"
-
     def compiles_collectives(self) -> bool:
         """Whether the step's collectives can be compiled by XLA here: on GPU, with the
         in-graph transport and an implementation other than ``ring``."""

@@ -50,10 +50,6 @@ Keras attribute                            backend   why
 ``Trainer._resolve_auto_jit_compile``      tf        ``jit_compile="auto"``: no XLA where the
                                                      engine's collectives cannot be compiled
                                                      (CPU, ``MGPU_TF_COLLECTIVE=ring``)
-``TensorFlowTrainer.make_train_function``  tf        on GPUs (``MGPU_TF_LAG_LOGS``): the per-batch
-                                                     logs one step late, so Keras does not wait
-                                                     for each step before queuing the next
-                                                     (``training.lagged_logs``)
 ``Trainer.compile``                        all       ``mgpu_launch.keras`` (Horovod names) only:
                                                      drop Keras 2's experimental_run_tf_function
 ``BaseOptimizer.variables`` (a property)   all       Horovod namespaces only: also callable, as
@@ -161,8 +157,6 @@ _TRAINER = "keras.src.trainers.trainer:Trainer|keras.src.trainers.trainer:BaseTr
 _JAX_TRAINER = "keras.src.backend.jax.trainer:JAXTrainer|keras.src.backend.jax.trainer:Trainer"
 _TORCH_TRAINER = ("keras.src.backend.torch.trainer:TorchTrainer"
                   "|keras.src.backend.torch.trainer:Trainer")
-_TF_TRAINER = ("keras.src.backend.tensorflow.trainer:TensorFlowTrainer"
-               "|keras.src.backend.tensorflow.trainer:Trainer")
 _TORCH_CORE = "keras.src.backend.torch:core|keras.src.backend.torch.ops:core"
 #: name -> Patch; its factory (:data:`_FACTORIES`) builds the replacement from the original.
 PATCHES = {
@@ -190,14 +184,13 @@ PATCHES = {
                              "_enumerate_iterator", ("self",)),
     "compile_config": Patch(_TRAINER, "get_compile_config", ("self",)),
     "tf_auto_jit": Patch(_TRAINER, "_resolve_auto_jit_compile", ("self",)),
-    "tf_train_function": Patch(_TF_TRAINER, "make_train_function", ("self", "force")),
     "batch_norm_init": Patch(_BATCH_NORM, "__init__", ("self", "axis", "momentum")),
     "batch_norm_moments": Patch(_BATCH_NORM, "_moments", ("self", "inputs", "mask")),
 }
 
 #: backend -> the patches :func:`install` applies there, in order.
 BY_BACKEND = {
-    "tensorflow": ("fit", "compile_config", "tf_auto_jit", "tf_iterator", "tf_train_function"),
+    "tensorflow": ("fit", "compile_config", "tf_auto_jit", "tf_iterator"),
     "jax": ("fit", "compile_config", "jax_iterator", "jax_train_function", "jax_state_sync"),
     "torch": ("fit", "compile_config", "torch_iterator", "torch_ddp", "torch_metrics",
               "torch_train_function"),
@@ -319,7 +312,6 @@ _FACTORIES = {
         original, on_capture=_install_for_cuda_graphs),
     "torch_sgd_update": _training.torch_sgd_update, "torch_scalars": _training.torch_scalars,
     "resume_iterator": _training.resume_iterator, "tf_auto_jit": _training.tf_auto_jit,
-    "tf_train_function": _training.tf_train_function,
     "compile": _layers.horovod_compile, "compile_config": _layers.compile_config,
     "batch_norm_init": _batch_norm_init, "batch_norm_moments": _layers.batch_norm_moments,
     "optimizer_variables": _layers.optimizer_variables,

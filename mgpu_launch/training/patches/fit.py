@@ -13,8 +13,7 @@ import inspect
 from typing import Callable, Optional, Tuple
 
 from mgpu_launch import engines, runtime
-from mgpu_launch.training import (efficiency_report, epoch_resume, fit_guard, lagged_logs, prefetch,
-                                  stall_probes)
+from mgpu_launch.training import efficiency_report, epoch_resume, fit_guard, prefetch, stall_probes
 
 _distributed_class: Optional[type] = None
 # (epochs done, batches done in the next epoch) for the next training epoch to start from.
@@ -157,19 +156,6 @@ def torch_train_function(original, on_capture: Callable[[], None]):
             if wrapped is not self.train_function:  # capture asked for
                 on_capture()
             self.train_function = wrapped
-        return self.train_function
-    return make_train_function
-
-
-def tf_train_function(original):
-    # Keras on TensorFlow reads every batch's logs on the host before it calls the next step;
-    # where the engine says so (a GPU), the logs lag one step (training.lagged_logs).
-    def make_train_function(self, force=False):
-        if self.train_function is not None and not force:
-            return self.train_function
-        original(self, force)
-        if uses_distributed_optimizer(self) and engines.get_engine_or_default().lags_train_logs():
-            self.train_function = lagged_logs.LaggedLogs(self, self.train_function)
         return self.train_function
     return make_train_function
 
