@@ -18,6 +18,9 @@
 #              and the per-batch logs one step late (lag_logs: Keras then no longer waits for
 #              every step) (VARIANTS= picks a subset)
 #   recorder   1 and 2 GPUs: --recorder off,on,off,on (issue 40's cost, alternated against drift)
+#   hostprof   1 and 2 GPUs, bf16: the train function's calls timed (the batch's next() apart
+#              from the compiled step's call) and 10 of them under TF's profiler (host, python,
+#              CUDA API): benchmarks/tf_gpu/trace_summary.py prints where each thread's time goes
 #   hlo        2 GPUs, bf16: XLA's optimized HLO of the train step dumped; its all-reduces,
 #              command buffers and async pairs counted
 set -u
@@ -84,6 +87,17 @@ stage_variants() {
       *) echo "unknown variant $name" ;;
     esac
   done
+}
+
+stage_hostprof() {  # where the host waits inside TF's call of the step (1 and 2 GPUs)
+  TFX_HOSTPROF="$1/prof" PYTHONPATH="$PWD/benchmarks/tf_gpu/experiments:${PYTHONPATH:-}" \
+    "${BENCH[@]}" --gpus 1,2 --out "$1/bench" > "$1/bench.log" 2>&1
+  echo "hostprof bench: exit $?"; summary "$1/bench.log"
+  grep -ah "\[tfx\] rank .*calls of" "$1"/bench/logs/*.log
+  for trace in "$1"/prof/rank*/trace.json.gz; do
+    echo "--- $trace"; python3 benchmarks/tf_gpu/trace_summary.py "$trace" --threads 8 --top 10
+  done
+  find "$1/prof" -name '*.xplane.pb' -delete
 }
 
 stage_hlo() {

@@ -47,3 +47,97 @@ if os.environ.get("TFX_LAG_LOGS") == "1":
 
     _Trainer.make_train_function = _make_train_function
     print("[tfx] train logs lag one step", flush=True)
+
+if os.environ.get("TFX_HOSTPROF"):
+    # Where the host waits inside Keras's train function (issue 38): every call is timed, and
+    # the time spent getting the batch (next() on the iterator) apart from the compiled step's
+    # call; calls TFX_PROF_START .. +TFX_PROF_COUNT run under TensorFlow's profiler (host,
+    # python and CUDA API tracers), converted to a Chrome trace beside the xplane, for
+    # benchmarks/tf_gpu/trace_summary.py. A rank prints its medians when it exits.
+    import atexit
+    import gzip
+    import statistics
+    import time
+
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer as _Trainer
+
+    _make_function = _Trainer.make_train_function
+    _rank = os.environ.get("OMPI_COMM_WORLD_RANK", "0")
+    _size = os.environ.get("OMPI_COMM_WORLD_SIZE", "1")
+    _start = int(os.environ.get("TFX_PROF_START", "15"))
+    _count = int(os.environ.get("TFX_PROF_COUNT", "10"))
+    _calls, _nexts = [], []
+
+    class _TimedIterator:
+        def __init__(self, iterator):
+            self.iterator = iterator
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            begin = time.perf_counter()
+            try:
+                return next(self.iterator)
+            finally:
+                _nexts[-1] += time.perf_counter() - begin
+
+    def _profile(on):
+        import tensorflow as tf
+        logdir = os.path.join(os.environ["TFX_HOSTPROF"], f"rank{_rank}of{_size}")
+        if on:
+            options = tf.profiler.experimental.ProfilerOptions(
+                host_tracer_level=3, python_tracer_level=1, device_tracer_level=1)
+            tf.profiler.experimental.start(logdir, options=options)
+            return
+        tf.profiler.experimental.stop()
+        from tensorflow.python.profiler.internal import _pywrap_profiler_plugin as plugin
+        for root, _, files in os.walk(logdir):
+            for name in files:
+                if name.endswith(".xplane.pb"):
+                    data, ok = plugin.xspace_to_tools_data([os.path.join(root, name)],
+                                                           "trace_viewer@")
+                    if ok:
+                        with gzip.open(os.path.join(logdir, "trace.json.gz"), "wb") as out:
+                            out.write(data if isinstance(data, bytes) else data.encode())
+        print(f"[tfx] rank {_rank}: profile of calls {_start}-{_start + _count - 1} in "
+              f"{logdir}", flush=True)
+
+    def _make_train_function(self, force=False):
+        if self.train_function is not None and not force:
+            return self.train_function
+        _make_function(self, force)
+        function = self.train_function
+        if getattr(function, "_tfx", False):
+            return function
+
+        def timed(iterator):
+            if len(_calls) == _start:
+                _profile(True)
+            _nexts.append(0.0)
+            begin = time.perf_counter()
+            logs = function(_TimedIterator(iterator) if not hasattr(iterator, "has_value")
+                            and not type(iterator).__module__.startswith("tensorflow")
+                            else iterator)
+            _calls.append(time.perf_counter() - begin)
+            if len(_calls) == _start + _count:
+                _profile(False)
+            return logs
+
+        timed._tfx = True
+        self.train_function = timed
+        return timed
+
+    _Trainer.make_train_function = _make_train_function
+
+    @atexit.register
+    def _report():
+        if len(_calls) > 5:
+            calls, nexts = _calls[5:], _nexts[5:len(_calls)]
+            print(f"[tfx] rank {_rank}: {len(calls)} calls of the train function: median "
+                  f"{statistics.median(calls) * 1e3:.2f} ms, of which next() "
+                  f"{statistics.median(nexts) * 1e3:.2f} ms; the compiled step's call "
+                  f"{statistics.median(c - n for c, n in zip(calls, nexts)) * 1e3:.2f} ms",
+                  flush=True)
+    print("[tfx] train function timed, profiler on calls "
+          f"{_start}-{_start + _count - 1}", flush=True)
