@@ -195,7 +195,8 @@ def advice(figures: Dict) -> str:
             "rest": shares["callbacks"] + shares["other"]}
     largest = max(lost, key=lost.get)
     if lost[largest] < 0.05:
-        what = "compute" if _measured(figures) else "compute and gradient allreduce"
+        alone = len(figures.get("ranks", ())) == 1  # no allreduce runs
+        what = "compute" if alone or _measured(figures) else "compute and gradient allreduce"
         return f"no cause above 5%: the step itself ({what}) dominates"
     if largest == "comm":
         return "communication: the gradient allreduce dominates; " + _cheaper(

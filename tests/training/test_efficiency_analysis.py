@@ -63,6 +63,12 @@ def test_without_a_measurement_there_is_no_communication_share():
             "is not timed") in text.splitlines()
 
 
+def test_one_rank_is_not_told_about_an_allreduce_it_does_not_run():
+    figures = efficiency.analyse([rank_slices(0.1, 10)], 32, None)
+    assert efficiency.advice(figures) == ("no cause above 5%: the step itself (compute) "
+                                          "dominates")
+
+
 def test_a_dominant_allreduce_gets_the_communication_advice():
     ranks = [rank_slices(1, 10)] * 2
     words = efficiency.advice(efficiency.analyse(ranks, 32, timed(0.008)))
