@@ -19,8 +19,11 @@
 #              every step) (VARIANTS= picks a subset)
 #   recorder   1 and 2 GPUs: --recorder off,on,off,on (issue 40's cost, alternated against drift)
 #   hostprof   1 and 2 GPUs, bf16: the train function's calls timed (the batch's next() apart
-#              from the compiled step's call) and 10 of them under TF's profiler (host, python,
-#              CUDA API): benchmarks/tf_gpu/trace_summary.py prints where each thread's time goes
+#              from the compiled step's call), where each step input lives, and 10 calls under
+#              TF's profiler (host, python, CUDA API; benchmarks/tf_gpu/trace_summary.py prints
+#              where each thread's time goes); as is (base), with int32 inputs made int64 on the
+#              GPU by the prefetch thread (int64), and with TF's asynchronous eager executor
+#              (async) (HOSTPROF= picks a subset; each variant ~150 s)
 #   hlo        2 GPUs, bf16: XLA's optimized HLO of the train step dumped; its all-reduces,
 #              command buffers and async pairs counted
 set -u
@@ -90,14 +93,24 @@ stage_variants() {
 }
 
 stage_hostprof() {  # where the host waits inside TF's call of the step (1 and 2 GPUs)
-  TFX_HOSTPROF="$1/prof" PYTHONPATH="$PWD/benchmarks/tf_gpu/experiments:${PYTHONPATH:-}" \
-    "${BENCH[@]}" --gpus 1,2 --out "$1/bench" > "$1/bench.log" 2>&1
-  echo "hostprof bench: exit $?"; summary "$1/bench.log"
-  grep -ah "\[tfx\] rank .*calls of" "$1"/bench/logs/*.log
-  for trace in "$1"/prof/rank*/trace.json.gz; do
-    echo "--- $trace"; python3 benchmarks/tf_gpu/trace_summary.py "$trace" --threads 8 --top 10
+  local name extra
+  for name in ${HOSTPROF:-base int64 async}; do  # /work/notes research: A (int32 copy), E9
+    case $name in
+      base) extra=X=1 ;;
+      int64) extra=TFX_INT64_INPUTS=1 ;;
+      async) extra=TFX_ASYNC=1 ;;
+      *) echo "unknown hostprof variant $name"; continue ;;
+    esac
+    env "$extra" TFX_HOSTPROF="$1/$name/prof" \
+      PYTHONPATH="$PWD/benchmarks/tf_gpu/experiments:${PYTHONPATH:-}" \
+      "${BENCH[@]}" --gpus 1,2 --out "$1/$name/bench" > "$1/$name.log" 2>&1
+    echo "hostprof $name: exit $?"; summary "$1/$name.log"
+    grep -ah "\[tfx\] rank 0" "$1/$name"/bench/logs/*.log | grep -v profile
+    for trace in "$1/$name"/prof/rank0*/trace.json.gz; do
+      echo "--- $trace"; python3 benchmarks/tf_gpu/trace_summary.py "$trace" --threads 6 --top 8
+    done
+    find "$1/$name/prof" \( -name '*.xplane.pb' -o -name '*.SSTABLE' \) -delete
   done
-  find "$1/prof" -name '*.xplane.pb' -delete
 }
 
 stage_hlo() {

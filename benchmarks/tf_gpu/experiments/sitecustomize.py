@@ -71,11 +71,19 @@ if os.environ.get("TFX_HOSTPROF"):
     class _TimedIterator:
         def __init__(self, iterator):
             self.iterator = iterator
+            self.first = None
+
+        def peek(self):  # the first batch, kept for the first next()
+            self.first = next(self.iterator)
+            return self.first
 
         def __iter__(self):
             return self
 
         def __next__(self):
+            if self.first is not None:
+                batch, self.first = self.first, None
+                return batch
             begin = time.perf_counter()
             try:
                 return next(self.iterator)
@@ -103,22 +111,32 @@ if os.environ.get("TFX_HOSTPROF"):
         print(f"[tfx] rank {_rank}: profile of calls {_start}-{_start + _count - 1} in "
               f"{logdir}", flush=True)
 
+    def _where(batch):  # where each input of the step lives (an int32 stays in host memory)
+        import tensorflow as tf
+        for tensor in tf.nest.flatten(batch):
+            print(f"[tfx] rank {_rank}: step input {tensor.dtype.name} {tuple(tensor.shape)} "
+                  f"on {getattr(tensor, 'device', '?')}, backed by "
+                  f"{getattr(tensor, 'backing_device', '?')}", flush=True)
+
     def _make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
         _make_function(self, force)
         function = self.train_function
-        if getattr(function, "_tfx", False):
-            return function
 
         def timed(iterator):
             if len(_calls) == _start:
                 _profile(True)
             _nexts.append(0.0)
             begin = time.perf_counter()
-            logs = function(_TimedIterator(iterator) if not hasattr(iterator, "has_value")
-                            and not type(iterator).__module__.startswith("tensorflow")
-                            else iterator)
+            if not type(iterator).__module__.startswith("tensorflow"):
+                iterator = _TimedIterator(iterator)
+            if not _calls:
+                print(f"[tfx] rank {_rank}: the train function is fed a "
+                      f"{type(getattr(iterator, 'iterator', iterator)).__name__}", flush=True)
+                if hasattr(iterator, "peek"):
+                    _where(iterator.peek())
+            logs = function(iterator)
             _calls.append(time.perf_counter() - begin)
             if len(_calls) == _start + _count:
                 _profile(False)
@@ -141,3 +159,32 @@ if os.environ.get("TFX_HOSTPROF"):
                   flush=True)
     print("[tfx] train function timed, profiler on calls "
           f"{_start}-{_start + _count - 1}", flush=True)
+
+if os.environ.get("TFX_INT64_INPUTS") == "1":
+    # Research note E4 (issue 38): an int32 tensor stays in host memory even on a GPU, so the
+    # XLA step's call copies it to the device itself, and that copy waits for the step before.
+    # Here the prefetch thread makes each int32 input an int64 on the GPU instead.
+    from mgpu_launch.engines import tensorflow as _engine
+
+    _transfer = _engine.TensorFlowEngine.prefetch_transfer
+
+    def prefetch_transfer(self):
+        import tensorflow as tf
+        copy = _transfer(self)
+        gpus = tf.config.list_logical_devices("GPU")
+
+        def widen(tensor):
+            if getattr(tensor, "dtype", None) != tf.int32 or not gpus:
+                return tensor
+            with tf.device(gpus[0].name):
+                return tf.cast(tensor, tf.int64)
+        return lambda batch: tf.nest.map_structure(widen, copy(batch))
+
+    _engine.TensorFlowEngine.prefetch_transfer = prefetch_transfer
+    print("[tfx] int32 step inputs made int64 on the GPU by the prefetch thread", flush=True)
+
+if os.environ.get("TFX_ASYNC") == "1":
+    # Research note E9: TensorFlow's asynchronous eager executor (errors surface late).
+    import tensorflow as _tf
+    _tf.config.experimental.set_synchronous_execution(False)
+    print("[tfx] asynchronous eager execution", flush=True)
