@@ -230,6 +230,13 @@ def gone_after_kill(victim, text, limit=30.0):
     return time.monotonic() - killed_at
 
 
+def rank_weights(out, size=2):
+    """The weights each of `size` ranks saved as OUT/rank.N.npz (tests/scripts/resume*.py), as
+    lists of arrays by rank."""
+    import numpy as np
+    return [list(np.load(os.path.join(out, f"rank.{r}.npz")).values()) for r in range(size)]
+
+
 @pytest.fixture(scope="session")
 def resume_reference(tmp_path_factory):
     """An uninterrupted 2-rank run of tests/scripts/resume.py on the backend under test: the
@@ -246,6 +253,26 @@ def resume_reference(tmp_path_factory):
     assert_ok(launch("-np", "2", os.path.join(SCRIPTS, "resume.py"), str(backup), str(out),
                      timeout=180, KERAS_BACKEND=BACKEND, TF_CPP_MIN_LOG_LEVEL="2"))
     return out, backup
+
+
+@pytest.fixture(scope="session")
+def resume_steps_reference(tmp_path_factory):
+    """An uninterrupted 2-rank run of tests/scripts/resume_steps.py on the backend under test
+    (fit(shuffle=False) on shard() data, backups every 3 steps): the weights every killed and
+    resumed run of it must end with. tests/training/test_resume.py (resumed by hand) and
+    tests/launcher/test_restart.py (resumed by --max-restarts, with Keras's default
+    fit(shuffle=True), which must not reorder shard()'s batches) compare with this one job.
+
+    Returns:
+        The folder holding its rank.N.npz and rank.N.json.
+    """
+    directory = tmp_path_factory.mktemp("resume_steps_reference")
+    out = directory / "out"
+    out.mkdir()
+    assert_ok(launch("-np", "2", os.path.join(SCRIPTS, "resume_steps.py"),
+                     str(directory / "backup"), str(out), timeout=180, KERAS_BACKEND=BACKEND,
+                     TF_CPP_MIN_LOG_LEVEL="2"))
+    return out
 
 
 @contextlib.contextmanager

@@ -19,19 +19,40 @@ def bench(*argv, timeout=600, job=True):
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 
+#: the tensorflow pass's one --gpus 1,2 run serves test_cpu_run_... and test_mirrored_row_...:
+#: every job of test_cpu_run's own run (tensorflow at 1 and 2 processes) is in it, a TensorFlow
+#: rank's start-up costs more than its 5 steps, and each test checks its own rows
+WITH_MIRRORED = BACKEND == "tensorflow" and importlib.util.find_spec("tensorflow") is not None
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    """``mgpu-bench --cpu --gpus 1,2`` of mlp-tiny on the backend under test with host and numpy
+    data, under TensorFlow with the mirrored rows (host and device data) in the same run.
+
+    Returns:
+        (its CompletedProcess, its --out folder)
+    """
+    out = tmp_path_factory.mktemp("bench_cpu_run")
+    backends, data = ("tensorflow,mirrored", "host,numpy,device") if WITH_MIRRORED else (
+        BACKEND, "host,numpy")
+    return assert_ok(bench("--cpu", "--gpus", "1,2", "--model", "mlp-tiny", "--steps", "5",
+                           "--backend", backends, "--data", data, "--out", str(out))), out
+
+
 @pytest.mark.job
 @requires_mpirun
-def test_cpu_run_writes_the_table_the_json_and_the_plot(tmp_path, backend):
+def test_cpu_run_writes_the_table_the_json_and_the_plot(cpu_run, backend):
     pytest.importorskip("matplotlib")
-    result = assert_ok(bench("--cpu", "--gpus", "1,2", "--model", "mlp-tiny", "--steps", "5",
-                             "--backend", backend, "--data", "host,numpy", "--out", str(tmp_path)))
-    assert "[1/2] " + backend in result.stdout and "[2/2] " in result.stdout  # progress
+    result, out = cpu_run
+    jobs = 3 if WITH_MIRRORED else 2  # (the mirrored job at 2 processes is skipped on CPU)
+    assert f"[1/{jobs}] {backend}" in result.stdout and f"[2/{jobs}] " in result.stdout
     assert "gpus |     img/s | speedup | efficiency" in result.stdout
-    document = json.loads((tmp_path / "results.json").read_text())
+    document = json.loads((out / "results.json").read_text())
     assert {"machine", "cpu_count", "versions", "date", "command", "method", "device"} <= set(
         document["header"])
     assert document["header"]["command"].startswith("mgpu-bench --cpu --gpus 1,2")
-    rows = document["rows"]
+    rows = [r for r in document["rows"] if r["backend"] == backend and r["data"] != "device"]
     assert [(r["gpus"], r["data"]) for r in rows] == [(1, "host"), (1, "numpy"),
                                                       (2, "host"), (2, "numpy")]
     for row in rows:
@@ -41,8 +62,8 @@ def test_cpu_run_writes_the_table_the_json_and_the_plot(tmp_path, backend):
         assert row["img_per_sec"] > 0 and len(row["per_rank_img_per_sec"]) == row["gpus"]
         assert row["efficiency"] == pytest.approx(row["speedup"] / row["gpus"], abs=1e-3)
     assert [r["speedup"] for r in rows if r["gpus"] == 1] == [1.0, 1.0]
-    assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| backend | model | precision |" in (tmp_path / "results.md").read_text()
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| backend | model | precision |" in (out / "results.md").read_text()
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -97,24 +118,24 @@ def test_profile_gives_every_rank_its_breakdown_and_uint8_pixels_feed(tmp_path, 
 
 @pytest.mark.job
 @requires_mpirun
-@pytest.mark.skipif(BACKEND != "tensorflow" or importlib.util.find_spec("tensorflow") is None,
+@pytest.mark.skipif(not WITH_MIRRORED,
                     reason="the mirrored row is Keras on TensorFlow (runs with the tensorflow "
                            "pass of the suite, and needs tensorflow installed)")
-def test_mirrored_row_runs_one_process_beside_the_tensorflow_row(tmp_path):
-    result = assert_ok(bench("--cpu", "--gpus", "1,2", "--model", "mlp-tiny", "--steps", "5",
-                             "--backend", "tensorflow,mirrored", "--data", "host,device",
-                             "--out", str(tmp_path)))
+def test_mirrored_row_runs_one_process_beside_the_tensorflow_row(cpu_run):
+    result, out = cpu_run  # --backend tensorflow,mirrored --data host,numpy,device
     # on CPU MirroredStrategy has one device: the 2-replica job is skipped, and says why
     assert "skipped mirrored mlp-tiny float32 on 2 processes: MirroredStrategy on CPU" in \
         result.stdout, explain(result)
-    document = json.loads((tmp_path / "results.json").read_text())
+    document = json.loads((out / "results.json").read_text())
     assert document["header"]["skipped"] == ["mirrored-mlp-tiny-float32-np2"]
     assert document["header"]["versions"]["mirrored"]["tensorflow"]
-    rows = document["rows"]
+    rows = [r for r in document["rows"] if r["data"] != "numpy"]  # numpy: test_cpu_run's
     assert [(r["backend"], r["gpus"], r["data"]) for r in rows] == [
         ("tensorflow", 1, "host"), ("tensorflow", 1, "device"),
         ("tensorflow", 2, "host"), ("tensorflow", 2, "device"),
         ("mirrored", 1, "host"), ("mirrored", 1, "device")]
+    assert [(r["backend"], r["gpus"]) for r in document["rows"] if r["data"] == "numpy"] == [
+        ("tensorflow", 1), ("tensorflow", 2), ("mirrored", 1)]
     tensorflow, mirrored = rows[0], rows[4]
     for row in rows[4:]:
         assert row["img_per_sec"] > 0 and row["speedup"] == 1.0 and row["efficiency"] == 1.0
@@ -123,7 +144,7 @@ def test_mirrored_row_runs_one_process_beside_the_tensorflow_row(tmp_path):
     for key in ("model", "precision", "batch_per_gpu", "params", "data_format"):
         assert mirrored[key] == tensorflow[key], key
     assert "Keras + tf.distribute.MirroredStrategy mlp-tiny float32" in result.stdout
-    assert "| mirrored | mlp-tiny | float32 |" in (tmp_path / "results.md").read_text()
+    assert "| mirrored | mlp-tiny | float32 |" in (out / "results.md").read_text()
 
 
 @pytest.mark.job

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import BACKEND, SCRIPTS, assert_ok, explain, launch, requires_mpirun
+from conftest import BACKEND, SCRIPTS, assert_ok, explain, launch, rank_weights, requires_mpirun
 
 pytestmark = [requires_mpirun, pytest.mark.backend, pytest.mark.usefixtures("backend")]
 
@@ -16,10 +16,6 @@ ENV = {"KERAS_BACKEND": BACKEND, "TF_CPP_MIN_LOG_LEVEL": "2"}
 
 def run(backup, out, *kill):
     return launch("-np", "2", RESUME, str(backup), str(out), *kill, timeout=180, **ENV)
-
-
-def weights(out):
-    return [list(np.load(out / f"rank.{r}.npz").values()) for r in range(2)]
 
 
 @pytest.mark.first_backend
@@ -36,7 +32,7 @@ def test_killed_mid_epoch_then_restarted_equals_uninterrupted(tmp_path, resume_r
 
     resumed = assert_ok(run(tmp_path / "backup", tmp_path / "resumed"))
     assert "resuming at epoch 3" in resumed.stdout
-    expected, got = weights(reference), weights(tmp_path / "resumed")
+    expected, got = rank_weights(reference), rank_weights(tmp_path / "resumed")
     for rank in range(2):
         for a, b in zip(got[rank], expected[0], strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
@@ -48,11 +44,9 @@ def run_steps(backup, out, *kill):
 
 
 @pytest.mark.job
-def test_killed_mid_epoch_resumes_at_the_backed_up_batch(tmp_path):
-    for name in ("ref", "resumed"):
-        (tmp_path / name).mkdir()
-    assert_ok(run_steps(tmp_path / "ref-backup", tmp_path / "ref"))
-
+def test_killed_mid_epoch_resumes_at_the_backed_up_batch(tmp_path, resume_steps_reference):
+    # resume_steps_reference (tests/conftest.py): the uninterrupted run, shared with test_restart
+    (tmp_path / "resumed").mkdir()
     killed = run_steps(tmp_path / "backup", tmp_path / "resumed", "1", "4")
     assert killed.returncode != 0
     # Every 3 batches and every epoch end, newest 2 kept: epoch 1's batch-3 backup and
@@ -68,7 +62,7 @@ def test_killed_mid_epoch_resumes_at_the_backed_up_batch(tmp_path):
         info = json.loads((tmp_path / "resumed" / f"rank.{rank}.json").read_text())
         assert info["iterations"] == 24  # 3 epochs x 8 batches, none run twice or skipped
         assert info["steps"][0] == [1, 3] and len(info["steps"]) == 24 - 11
-    expected, got = weights(tmp_path / "ref"), weights(tmp_path / "resumed")
+    expected, got = rank_weights(resume_steps_reference), rank_weights(tmp_path / "resumed")
     for rank in range(2):
         for a, b in zip(got[rank], expected[0], strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
