@@ -22,6 +22,7 @@ from mgpu_launcher import mpirun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(ROOT, "tests", "scripts")
+LEAN_RANKS = os.path.join(ROOT, "tests", "lean_ranks")
 #: the Keras backend this run of the suite is for (scripts/test.sh sets it once per backend)
 BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
 #: Keras backend -> the framework module it needs (the names happen to match)
@@ -116,6 +117,9 @@ def job_env(**extra):
     this checkout first on PYTHONPATH, mpirun allowed as root, then `extra`."""
     require_job_marker()
     env = python_env()
+    # Ranks skip the optional packages they never use (tests/lean_ranks/sitecustomize.py).
+    env["PYTHONPATH"] = env["PYTHONPATH"].replace(ROOT + os.pathsep, ROOT + os.pathsep
+                                                  + LEAN_RANKS + os.pathsep, 1)
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env.update(extra)
