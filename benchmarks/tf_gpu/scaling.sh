@@ -94,22 +94,21 @@ stage_variants() {
 
 stage_hostprof() {  # where the host waits inside TF's call of the step (1 and 2 GPUs)
   local name extra
-  for name in ${HOSTPROF:-base int64 async}; do  # /work/notes research: A (int32 copy), E9
+  work=$1  # variant() writes there
+  for name in ${HOSTPROF:-base int64 async}; do  # benchmarks/tf_gpu/launch_research.md: A, E9
     case $name in
       base) extra=X=1 ;;
       int64) extra=TFX_INT64_INPUTS=1 ;;
       async) extra=TFX_ASYNC=1 ;;
       *) echo "unknown hostprof variant $name"; continue ;;
     esac
-    env "$extra" TFX_HOSTPROF="$1/$name/prof" \
-      PYTHONPATH="$PWD/benchmarks/tf_gpu/experiments:${PYTHONPATH:-}" \
-      "${BENCH[@]}" --gpus 1,2 --out "$1/$name/bench" > "$1/$name.log" 2>&1
-    echo "hostprof $name: exit $?"; summary "$1/$name.log"
-    grep -ah "\[tfx\] rank 0" "$1/$name"/bench/logs/*.log | grep -v profile
-    for trace in "$1/$name"/prof/rank0*/trace.json.gz; do
+    GPUS=1,2 variant "$name" "$extra" TFX_HOSTPROF="$work/$name.prof" \
+      PYTHONPATH="$PWD/benchmarks/tf_gpu/experiments:${PYTHONPATH:-}"
+    grep -ah "\[tfx\] rank 0" "$work/$name"/logs/*.log | grep -v profile
+    for trace in "$work/$name.prof"/rank0*/trace.json.gz; do
       echo "--- $trace"; python3 benchmarks/tf_gpu/trace_summary.py "$trace" --threads 6 --top 8
     done
-    find "$1/$name/prof" \( -name '*.xplane.pb' -o -name '*.SSTABLE' \) -delete
+    find "$work/$name.prof" \( -name '*.xplane.pb' -o -name '*.SSTABLE' \) -delete
   done
 }
 

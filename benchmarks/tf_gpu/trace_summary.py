@@ -21,12 +21,11 @@ def _self_times(events):
     own = [e["dur"] for e in events]
     stack = []
     for index, event in enumerate(events):
-        end = event["ts"] + event["dur"]
         while stack and events[stack[-1]]["ts"] + events[stack[-1]]["dur"] <= event["ts"]:
             stack.pop()
         if stack:
             own[stack[-1]] -= event["dur"]
-        if event["dur"] > 0 and end > event["ts"]:
+        if event["dur"] > 0:
             stack.append(index)
     return events, own
 

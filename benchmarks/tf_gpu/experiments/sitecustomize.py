@@ -142,7 +142,6 @@ if os.environ.get("TFX_HOSTPROF"):
                 _profile(False)
             return logs
 
-        timed._tfx = True
         self.train_function = timed
         return timed
 
