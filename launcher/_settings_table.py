@@ -256,6 +256,9 @@ SETTINGS: Dict[str, Setting] = _declare(
     _("MGPU_TF_HOST", "text", None, RANKS,
       "TensorFlow: the address the other ranks reach this one at", example="10.0.0.2",
       shown_default="the job's host address"),
+    _("MGPU_TF_WIDEN_INT32", "flag", True, RANKS,
+      "TensorFlow on GPU: the prefetch thread makes int32 batch tensors int64 on the GPU "
+      "(int32 stays in host memory, and the step would wait for the one before to copy it)"),
     _("MGPU_COLLECTIVE_TIMEOUT", "seconds", 0.0, RANKS,
       "TensorFlow: seconds an in-graph collective may wait (0: no limit)", low=0, example="600"),
     _("MGPU_ELASTIC_STATE_DIR", "text", None, RANKS,

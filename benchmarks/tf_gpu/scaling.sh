@@ -21,9 +21,12 @@
 #   hostprof   1 and 2 GPUs, bf16: the train function's calls timed (the batch's next() apart
 #              from the compiled step's call), where each step input lives, and 10 calls under
 #              TF's profiler (host, python, CUDA API; benchmarks/tf_gpu/trace_summary.py prints
-#              where each thread's time goes); as is (base), with int32 inputs made int64 on the
-#              GPU by the prefetch thread (int64), and with TF's asynchronous eager executor
-#              (async) (HOSTPROF= picks a subset; each variant ~150 s)
+#              where each thread's time goes); as is (base: int32 inputs made int64 on the GPU
+#              by mgpu's prefetch thread), with int32 inputs left int32 (int32,
+#              MGPU_TF_WIDEN_INT32=0), and with TF's asynchronous eager executor (async)
+#              (HOSTPROF= picks a subset; each variant ~150 s)
+#   widen      1 and 2 GPUs, bf16: MGPU_TF_WIDEN_INT32=0,1,0,1 (four benches alternated against
+#              drift; ~100 s each)
 #   hlo        2 GPUs, bf16: XLA's optimized HLO of the train step dumped; its all-reduces,
 #              command buffers and async pairs counted
 set -u
@@ -95,10 +98,10 @@ stage_variants() {
 stage_hostprof() {  # where the host waits inside TF's call of the step (1 and 2 GPUs)
   local name extra
   work=$1  # variant() writes there
-  for name in ${HOSTPROF:-base int64 async}; do  # benchmarks/tf_gpu/launch_research.md: A, E9
+  for name in ${HOSTPROF:-base int32 async}; do  # benchmarks/tf_gpu/launch_research.md: A, E9
     case $name in
       base) extra=X=1 ;;
-      int64) extra=TFX_INT64_INPUTS=1 ;;
+      int32) extra=MGPU_TF_WIDEN_INT32=0 ;;
       async) extra=TFX_ASYNC=1 ;;
       *) echo "unknown hostprof variant $name"; continue ;;
     esac
@@ -109,6 +112,15 @@ stage_hostprof() {  # where the host waits inside TF's call of the step (1 and 2
       echo "--- $trace"; python3 benchmarks/tf_gpu/trace_summary.py "$trace" --threads 6 --top 8
     done
     find "$work/$name.prof" \( -name '*.xplane.pb' -o -name '*.SSTABLE' \) -delete
+  done
+}
+
+stage_widen() {  # int32 batch tensors kept (0) or made int64 on the GPU (1), alternated
+  local value round=0
+  work=$1
+  for value in 0 1 0 1; do
+    round=$((round + 1))
+    GPUS=1,2 variant "widen${value}_$round" MGPU_TF_WIDEN_INT32=$value
   done
 }
 

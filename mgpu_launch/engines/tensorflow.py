@@ -47,7 +47,7 @@ from typing import Any, List, Sequence
 
 import numpy as np
 
-from mgpu_launch.engines import Engine, reduction, tensorflow_collectives
+from mgpu_launch.engines import Engine, reduction, tensorflow_collectives, tensorflow_feeding
 from mgpu_launch.runtime.rendezvous import free_port, job_host_address
 from mgpu_launcher import settings
 
@@ -142,31 +142,14 @@ class TensorFlowEngine(Engine):
         return bool(tf.config.list_logical_devices("GPU"))
 
     def prefetch_source(self, epoch_iterator, keras_get_iterator):
-        """The tf.data batches, iterated in the prefetch thread, when the epoch's length is
-        known. Keras's train function then gets a Python iterator of device-resident batches
-        and calls its compiled step directly; on a tf.data iterator it reads an
-        ``OptionalHasValue`` after every call, which waits for the whole step on the device
-        before the host may prepare the next (measured on an H100, ResNet-50: 64 ms a step
-        through that path, 43 ms for the same compiled step fed directly;
-        benchmarks/tf_gpu/README.md). Keras's direct path cannot tell an exhausted iterator
-        from one step, so data of unknown length keeps Keras's own feeding.
-        """
-        import tensorflow as tf
-        if epoch_iterator.num_batches is None or tf.distribute.has_strategy():
-            return None
-        return epoch_iterator.data_adapter.get_tf_dataset()
+        """The tf.data batches, iterated in the prefetch thread (see
+        :mod:`~mgpu_launch.engines.tensorflow_feeding`)."""
+        return tensorflow_feeding.dataset_source(epoch_iterator)
 
     def prefetch_transfer(self):
-        import tensorflow as tf
-        gpus = tf.config.list_logical_devices("GPU")
-        if not gpus:
-            return lambda batch: batch
-        device = gpus[0].name
-
-        def to_device(batch):
-            with tf.device(device):
-                return tf.nest.map_structure(tf.identity, batch)
-        return to_device
+        """Each batch copied to this rank's GPU, ``int32`` tensors made ``int64`` there
+        (``MGPU_TF_WIDEN_INT32``; see :mod:`~mgpu_launch.engines.tensorflow_feeding`)."""
+        return tensorflow_feeding.device_transfer()
 
     def compiles_collectives(self) -> bool:
         """Whether the step's collectives can be compiled by XLA here: on GPU, with the

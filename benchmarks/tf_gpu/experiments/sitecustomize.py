@@ -159,29 +159,6 @@ if os.environ.get("TFX_HOSTPROF"):
     print("[tfx] train function timed, profiler on calls "
           f"{_start}-{_start + _count - 1}", flush=True)
 
-if os.environ.get("TFX_INT64_INPUTS") == "1":
-    # Research note E4 (issue 38): an int32 tensor stays in host memory even on a GPU, so the
-    # XLA step's call copies it to the device itself, and that copy waits for the step before.
-    # Here the prefetch thread makes each int32 input an int64 on the GPU instead.
-    from mgpu_launch.engines import tensorflow as _engine
-
-    _transfer = _engine.TensorFlowEngine.prefetch_transfer
-
-    def prefetch_transfer(self):
-        import tensorflow as tf
-        copy = _transfer(self)
-        gpus = tf.config.list_logical_devices("GPU")
-
-        def widen(tensor):
-            if getattr(tensor, "dtype", None) != tf.int32 or not gpus:
-                return tensor
-            with tf.device(gpus[0].name):
-                return tf.cast(tensor, tf.int64)
-        return lambda batch: tf.nest.map_structure(widen, copy(batch))
-
-    _engine.TensorFlowEngine.prefetch_transfer = prefetch_transfer
-    print("[tfx] int32 step inputs made int64 on the GPU by the prefetch thread", flush=True)
-
 if os.environ.get("TFX_ASYNC") == "1":
     # Research note E9: TensorFlow's asynchronous eager executor (errors surface late).
     import tensorflow as _tf
