@@ -11,12 +11,16 @@ Two things decide whether TensorFlow's call of the compiled step returns before 
 - **Where each tensor lives.** TensorFlow keeps an ``int32`` tensor in host memory even when it
   is placed on a GPU, so the XLA step copies it to the device on every call itself, and that
   copy waits for the previous step (TensorFlow's own H2D path synchronizes with the compute
-  stream). The labels of most classifiers are such a tensor. The prefetch thread therefore
+  stream). int32 labels and token ids are such tensors. The prefetch thread therefore
   makes each ``int32`` tensor of the batch an ``int64`` on the GPU (``MGPU_TF_WIDEN_INT32``,
-  on by default): ResNet-50 bf16 on 2x H200, 4468 -> 4675 img/s on 1 GPU and 6606 -> 7315 on
-  2 (``benchmarks/tf_gpu/results_2026-11-26-h200x2-fourth``). Keras's losses and metrics,
-  ``Embedding`` and Functional inputs declared ``int32`` accept the wider labels and indices
-  (a Functional model casts them back inside the compiled step, on the device).
+  on by default): ResNet-50 bf16 on 2x H200, 2 GPUs 6869 / 6759 -> 7645 img/s (int32 kept,
+  widened, alternated; ``benchmarks/tf_gpu/results_2026-11-26-h200x2-fourth``); on 1 GPU no
+  effect was resolved from the run-to-run spread. Keras's losses and metrics,
+  ``Embedding`` accept the wider labels and indices, and a Functional model casts an input
+  it declared ``int32`` back inside the compiled step (``tests/engines/
+  test_tensorflow_feeding.py``). A subclassed model or a custom ``train_step`` sees ``int64``:
+  code there that combines an input with an explicit ``int32`` tensor fails with TensorFlow's
+  "expected to be a int64 tensor" and needs ``MGPU_TF_WIDEN_INT32=0``.
 """
 from typing import Any, Callable, Optional
 
