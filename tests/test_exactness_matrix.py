@@ -37,7 +37,7 @@ QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_BACKEND": BACKEND}
 #: the cases scripts/exactness.py knows (vision_sync_bn: synchronized BatchNorm, issue 25 item 3;
 #: tests/training/test_sync_batchnorm.py has its uneven-batch, mask and inference cases)
 CASES = ["sgd_momentum", "adam", "adamw", "clipnorm", "global_clipnorm",
-         "embedding_adam", "transformer_adamw",
+         "embedding_adam", "embedding_int64_ids", "transformer_adamw",
          "lstm", "accumulation", "mixed_float16", "mixed_bfloat16", "vision_sync_bn"]
 if BACKEND == "tensorflow":
     CASES.append("raw_tf_variable")  # issue 25 item 4
@@ -111,7 +111,7 @@ def test_four_processes_match_one_process(tmp_path):
 
 
 #: the cases with an Embedding: their gradients are IndexedSlices on TensorFlow
-SPARSE_CASES = ["embedding_adam", "transformer_adamw"]
+SPARSE_CASES = ["embedding_adam", "embedding_int64_ids", "transformer_adamw"]
 
 
 @pytest.mark.job

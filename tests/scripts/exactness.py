@@ -62,6 +62,13 @@ def embedding():
                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
 
 
+def embedding_int64():
+    # int64 ids all the way to the Embedding, so its IndexedSlices carry int64 indices: what a
+    # subclassed model sees on a GPU, where mgpu's prefetch widens int32 batches to int64.
+    return keras.Sequential([keras.Input((5,), dtype="int64"), keras.layers.Embedding(20, 8),
+                             keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+
+
 def transformer():
     tokens = keras.Input((6,), dtype="int32")
     h = keras.layers.Embedding(20, 8)(tokens)
@@ -112,6 +119,8 @@ CASES = {
         0.1, momentum=0.9, global_clipnorm=0.05, **kw)),
     "embedding_adam": dict(model=embedding, inputs="tokens5",
                            optimizer=lambda **kw: keras.optimizers.Adam(0.01, **kw)),
+    "embedding_int64_ids": dict(model=embedding_int64, inputs="tokens5", ids="int64",
+                                optimizer=lambda **kw: keras.optimizers.Adam(0.01, **kw)),
     "transformer_adamw": dict(model=transformer, inputs="tokens6",
                               optimizer=lambda **kw: keras.optimizers.AdamW(
                                   0.01, weight_decay=0.05, **kw)),
@@ -159,6 +168,7 @@ def train(name, spec, mode, out_path):
         rng = np.random.default_rng(sorted(CASES).index(name))
         per_pass = GLOBAL_BATCH // passes  # samples per backward pass, all ranks together
         x = inputs(spec["inputs"], STEPS * GLOBAL_BATCH, rng)
+        x = x.astype(spec["ids"]) if "ids" in spec else x
         y = rng.integers(0, 3, size=len(x))
         model = spec["model"](**({"synchronized": mode == "distributed"}
                                  if spec.get("synchronized") else {}))
