@@ -200,3 +200,15 @@ def test_bad_steps_per_execution_and_recorder_values_exit_2():
                           (["--recorder", "maybe"], "unknown maybe")):
         result = bench("--cpu", "--model", "mlp-tiny", *argv, job=False)
         assert result.returncode == 2 and message in result.stderr, explain(result)
+
+
+def test_the_reference_rows_get_only_the_options_they_use():
+    # native and mirrored have no mgpu prefetch, CUDA graph, steps_per_execution, recorder or
+    # wire compression: their workers are not handed those knobs (they would ignore them)
+    from mgpu_launch import bench as tool
+    args = tool.parse_args(["--cpu", "--model", "mlp-tiny", "--steps-per-execution", "1,4",
+                            "--recorder", "off,on", "--compression", "bf16"])
+    knobs = {"--prefetch", "--cuda-graph", "--steps-per-execution", "--recorder", "--compression"}
+    for backend, expected in (("tensorflow", knobs), ("native", set()), ("mirrored", set())):
+        command = tool._job(args, backend, "mlp-tiny", "float32", "channels_last", 1, "r.json")
+        assert knobs & set(command) == expected, (backend, command)

@@ -26,7 +26,7 @@
 #              MGPU_TF_WIDEN_INT32=0), and with TF's asynchronous eager executor (async)
 #              (HOSTPROF= picks a subset; each variant ~150 s)
 #   widen      1 and 2 GPUs, bf16: MGPU_TF_WIDEN_INT32=0,1,0,1 (four benches alternated against
-#              drift; ~100 s each)
+#              drift; ~130 s each: four do not fit one 570 s call on a fresh machine)
 #   hlo        2 GPUs, bf16: XLA's optimized HLO of the train step dumped; its all-reduces,
 #              command buffers and async pairs counted
 set -u

@@ -175,17 +175,18 @@ def _job(args, backend: str, model: str, precision: str, data_format: str, gpus:
     worker = ["-m", "mgpu_launch.bench.worker", "--result", result, "--model", model,
               "--precision", precision, "--data-format", data_format, "--steps", str(args.steps),
               "--warmup-steps", str(args.warmup_steps), "--window", str(args.window),
-              "--data", ",".join(args.data_modes),
-              "--prefetch", ",".join(map(str, args.prefetch_depths)),
-              "--cuda-graph", ",".join(args.cuda_graphs),
-              "--steps-per-execution", ",".join(map(str, args.executions)),
-              "--recorder", ",".join(args.recorders)]
+              "--data", ",".join(args.data_modes)]
     if args.batch_per_gpu:
         worker += ["--batch-per-gpu", str(args.batch_per_gpu)]
     if args.profile:
         worker.append("--profile")
-    if args.compression != "none":
-        worker += ["--compression", args.compression]
+    if backend not in ("native", "mirrored"):  # mgpu's own knobs: the references have none
+        worker += ["--prefetch", ",".join(map(str, args.prefetch_depths)),
+                   "--cuda-graph", ",".join(args.cuda_graphs),
+                   "--steps-per-execution", ",".join(map(str, args.executions)),
+                   "--recorder", ",".join(args.recorders)]
+        if args.compression != "none":
+            worker += ["--compression", args.compression]
     if backend == "native":
         worker[1] = "mgpu_launch.bench.native"
     if backend == "mirrored":  # one process, not a launcher job: it replicates over N GPUs
