@@ -2,6 +2,8 @@
 
 import importlib.util
 import json
+import shlex
+import shutil
 import subprocess
 import sys
 
@@ -212,3 +214,33 @@ def test_the_reference_rows_get_only_the_options_they_use():
     for backend, expected in (("tensorflow", knobs), ("native", set()), ("mirrored", set())):
         command = tool._job(args, backend, "mlp-tiny", "float32", "channels_last", 1, "r.json")
         assert knobs & set(command) == expected, (backend, command)
+
+
+@pytest.mark.job
+@requires_mpirun
+def test_resume_runs_only_the_jobs_a_cut_invocation_left_and_refuses_other_options(
+        cpu_run, tmp_path):
+    result, out = cpu_run
+    cut = tmp_path / "cut"
+    shutil.copytree(out, cut)
+    document = json.loads((out / "results.json").read_text())
+    labels = [p.stem for p in sorted((cut / "logs").glob("*.json"))]
+    missing = labels[0]  # as if the call had ended during that job (mirrored: the cheapest)
+    (cut / "logs" / f"{missing}.json").unlink()
+    argv = shlex.split(document["header"]["command"])[1:]
+    argv[argv.index("--out") + 1] = str(cut)
+    resumed = assert_ok(bench(*argv, "--resume"))
+    assert f"resuming the invocation of {document['header']['date']}" in resumed.stdout
+    assert resumed.stdout.count("reused from") == len(labels) - 1, explain(resumed)
+    again = json.loads((cut / "results.json").read_text())
+    assert sorted(again["header"]["reused"]) == sorted(set(labels) - {missing})
+    assert (cut / "logs" / f"{missing}.json").exists()
+    key = lambda r: (r["backend"], r["gpus"], r["data"])  # noqa: E731
+    assert sorted(map(key, again["rows"])) == sorted(map(key, document["rows"]))
+    # other options, or results that do not record theirs: refused before any job runs
+    other = bench(*argv, "--steps", "10", "--resume")
+    assert other.returncode == 2 and "steps: 5 there, 10 now" in other.stderr, explain(other)
+    del again["header"]["options"]
+    (cut / "results.json").write_text(json.dumps(again))
+    older = bench(*argv, "--resume")
+    assert older.returncode == 2 and "does not record its options" in older.stderr, explain(older)

@@ -35,8 +35,10 @@ tensors in torch.channels_last memory vs contiguous NCHW); one row per format.
 Output under ``--out``: ``results.json`` (a header with machine, devices, versions, command,
 date, method; a list of rows), ``results.md`` and ``results.png`` (speedup and efficiency vs
 GPUs against the ideal line), and the console table. ``logs/`` keeps every job's output.
+``results.json`` is rewritten after every job: ``--resume`` with the same options and ``--out``
+finishes an invocation that was cut short, on the same machine (``resume.py``).
 Exit status: 0 when every run succeeded, 1 when one failed (the others are still reported),
-2 for a bad command line.
+2 for a bad command line or a ``--resume`` that cannot continue what ``--out`` holds.
 """
 
 import argparse
@@ -50,7 +52,7 @@ import time
 from typing import Dict, List, Optional
 
 from mgpu_launcher import devices
-from mgpu_launch.bench import report
+from mgpu_launch.bench import report, resume
 from mgpu_launch.bench.models import MODELS
 from mgpu_launch.bench.worker import DATA_FORMATS
 
@@ -112,6 +114,9 @@ def get_parser() -> argparse.ArgumentParser:
         help="run on CPU processes (no GPU needed; use a small model such as mlp-tiny)")
     add("--timeout", type=float, default=900, help="seconds per job (default: %(default)s)")
     add("--out", default="bench-results", help="output folder (default: %(default)s)")
+    add("--resume", action="store_true",
+        help="finish an invocation cut short: jobs whose result is in --out already are not "
+             "run again (same options and machine only; mgpu_launch/bench/resume.py)")
     return parser
 
 
@@ -133,6 +138,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     """Parse and check the command line; a bad one exits with status 2 and says why."""
     parser = get_parser()
     args = parser.parse_args(argv)
+    args.options = {key: value for key, value in vars(args).items()
+                    if key not in resume.NOT_COMPARED}
     args.models = _split(parser, "--model", args.model, MODELS)
     args.backends = _split(parser, "--backend", args.backend, BACKENDS)
     args.precisions = _split(parser, "--precision", args.precision, PRECISIONS)
@@ -258,7 +265,16 @@ def job_label(backend: str, model: str, precision: str, data_format: str, gpus: 
 def run_all(args) -> int:
     """Run every job, then write the JSON, markdown and plot. Returns the exit status."""
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
-    jobs, rows, failed, workers, args.skipped = [], [], [], {}, []
+    jobs, rows, failed, workers, args.skipped, args.reused = [], [], [], {}, [], []
+    try:
+        previous = args.resume and resume.previous_header(
+            args.out, args.options, platform.node(), None if args.cpu else _gpu_names())
+    except resume.ResumeError as error:
+        print(f"mgpu-bench: {error}", file=sys.stderr)
+        return 2
+    if args.resume:
+        print(f"resuming the invocation of {previous['date']} in {args.out}" if previous else
+              f"--resume: no results in {args.out} yet, running every job", flush=True)
     for job in plan(args):
         reason = skip_reason(args, job[0], job[-1])
         if reason:
@@ -278,8 +294,13 @@ def run_all(args) -> int:
               f"{'process' if args.cpu else 'GPU'}{'es' if args.cpu and gpus > 1 else ''}"
               f"{'' if args.cpu or gpus == 1 else 's'} ...", flush=True)
         started = time.monotonic()
-        status = _run_job(_job(args, backend, model, precision, data_format, gpus, result),
-                          _environment(args, backend, gpus), log, args.timeout)
+        if previous and resume.finished(result):
+            args.reused.append(label)
+            print(f"    reused from {previous['date']}: {result}", flush=True)
+            status = 0
+        else:
+            status = _run_job(_job(args, backend, model, precision, data_format, gpus, result),
+                              _environment(args, backend, gpus), log, args.timeout)
         if status != 0 or not os.path.exists(result):
             failed.append(label)
             print(f"    FAILED (exit {status}) after {time.monotonic() - started:.0f} s; the "
@@ -343,6 +364,8 @@ def make_header(args, workers: Dict[str, dict], seconds: float) -> dict:
                        "N GPUs (the CPU at 1 with --cpu), global batch N x batch per GPU, Keras's "
                        "default jit_compile" if "mirrored" in args.backends else "")),
         "skipped": getattr(args, "skipped", []),
+        "reused": getattr(args, "reused", []),  # --resume: jobs measured by an earlier call
+        "options": args.options,
         "seconds": round(seconds),
     }
 
