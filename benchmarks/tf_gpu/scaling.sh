@@ -27,6 +27,11 @@
 #              (HOSTPROF= picks a subset; each variant ~150 s)
 #   widen      1 and 2 GPUs, bf16: MGPU_TF_WIDEN_INT32=0,1,0,1 (four benches alternated against
 #              drift; ~130 s each: four do not fit one 570 s call on a fresh machine)
+#   final      issue 38's committed invocation (tensorflow,jax,native,mirrored x float32,bf16 x
+#              1,2 GPUs x device,host data, --profile; ~16 jobs, more than one call): runs for
+#              FINAL_S seconds (default 520) into /tmp/final, then copies what it has; repeat the
+#              call on the same warm machine until its log ends with the table (mgpu-bench
+#              --resume reuses the jobs already measured)
 #   hlo        2 GPUs, bf16: XLA's optimized HLO of the train step dumped; its all-reduces,
 #              command buffers and async pairs counted
 set -u
@@ -122,6 +127,16 @@ stage_widen() {  # int32 batch tensors kept (0) or made int64 on the GPU (1), al
     round=$((round + 1))
     GPUS=1,2 variant "widen${value}_$round" MGPU_TF_WIDEN_INT32=$value
   done
+}
+
+stage_final() {
+  timeout "${FINAL_S:-520}" mgpu-bench --model resnet50 --backend tensorflow,jax,native,mirrored \
+    --precision float32,mixed_bfloat16 --gpus 1,2 --data device,host --profile --steps 30 \
+    --timeout 240 --resume --out /tmp/final >> /tmp/final.log 2>&1
+  echo "final: exit $? (124: cut by FINAL_S; call again to resume)"
+  pkill -f "mgpu_launch.bench" 2>/dev/null; sleep 2  # a cut job's ranks, if any outlived it
+  grep -aE "^\[[0-9]+/|reused|img/s|FAILED|wrote" /tmp/final.log | tail -40
+  cp -r /tmp/final /tmp/final.log "$1"/ 2>/dev/null; rm -f "$1/final/results.png"
 }
 
 stage_hlo() {
