@@ -15,8 +15,8 @@ Two things decide whether TensorFlow's call of the compiled step returns before 
   makes each ``int32`` tensor of the batch an ``int64`` on the GPU (``MGPU_TF_WIDEN_INT32``,
   on by default): ResNet-50 bf16 on 2x H200, 2 GPUs 6869 / 6759 -> 7645 img/s (int32 kept,
   widened, alternated; ``benchmarks/tf_gpu/results_2026-11-26-h200x2-fourth``); on 1 GPU no
-  effect was resolved from the run-to-run spread. Keras's losses and metrics,
-  ``Embedding`` accept the wider labels and indices, and a Functional model casts an input
+  effect was resolved from the run-to-run spread. Keras's losses, metrics and ``Embedding``
+  accept the wider labels and indices, and a Functional model casts an input
   it declared ``int32`` back inside the compiled step (``tests/engines/
   test_tensorflow_feeding.py``). A subclassed model or a custom ``train_step`` sees ``int64``:
   code there that combines an input with an explicit ``int32`` tensor fails with TensorFlow's
