@@ -284,6 +284,19 @@ def resume_steps_reference(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def plain_reference(tmp_path_factory):
+    """tests/scripts/train.py on 1 process with the plain optimizer and the global batch, on the
+    backend under test: the weights the cluster's and Slurm's distributed runs of it must end
+    with (tests/test_cluster.py, tests/test_slurm.py share this one job).
+
+    Returns:
+        Its weights, a list of arrays in layer order.
+    """
+    from test_training import train
+    return train(tmp_path_factory, {"plain": True})[0][0]
+
+
 @contextlib.contextmanager
 def daemons_up(script, directory, needs, *args, env=None):
     """``script up DIR [args...]`` (scripts/cluster.sh, scripts/slurm.sh) with `env` (None: this
