@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 
-from conftest import ROOT, job_env, python_env, require_job_marker
+from conftest import ROOT, job_env, lean_ranks, python_env, require_job_marker
 
 CLUSTER_SH = os.path.join(ROOT, "scripts", "cluster.sh")
 #: rank -> node with -H node1:2,node2:2 (Open MPI fills each host's slots in order)
@@ -84,9 +84,10 @@ class MpiOperatorCluster(Cluster):
     @staticmethod
     def up_env():
         """The environment of ``cluster.sh up``: the pods' PATH and PYTHONPATH (this Python and
-        checkout stand in for the image's /opt/venv), and this Python's folders, which the
-        pods' non-root user must be able to reach."""
-        env = python_env()
+        checkout stand in for the image's /opt/venv; the ranks skip the optional packages they
+        never use, as every test's do: conftest.lean_ranks), and this Python's folders, which
+        the pods' non-root user must be able to reach."""
+        env = lean_ranks(python_env())
         env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), "/usr/local/sbin",
                                        "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"])
         env["MGPU_CLUSTER_EXPOSE"] = os.pathsep.join(

@@ -112,14 +112,19 @@ def python_env(**extra):
     return env
 
 
+def lean_ranks(env):
+    """`env` (a python_env()) whose ranks skip the optional packages they never use
+    (tests/lean_ranks/sitecustomize.py on PYTHONPATH, after this checkout); returns it."""
+    env["PYTHONPATH"] = env["PYTHONPATH"].replace(ROOT + os.pathsep, ROOT + os.pathsep
+                                                  + LEAN_RANKS + os.pathsep, 1)
+    return env
+
+
 def job_env(**extra):
     """os.environ for a job or rank process started by a test (the test must be marked `job`):
     this checkout first on PYTHONPATH, mpirun allowed as root, then `extra`."""
     require_job_marker()
-    env = python_env()
-    # Ranks skip the optional packages they never use (tests/lean_ranks/sitecustomize.py).
-    env["PYTHONPATH"] = env["PYTHONPATH"].replace(ROOT + os.pathsep, ROOT + os.pathsep
-                                                  + LEAN_RANKS + os.pathsep, 1)
+    env = lean_ranks(python_env())
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
     env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
     env.update(extra)
@@ -277,6 +282,19 @@ def resume_steps_reference(tmp_path_factory):
                      str(directory / "backup"), str(out), timeout=180, KERAS_BACKEND=BACKEND,
                      TF_CPP_MIN_LOG_LEVEL="2"))
     return out
+
+
+@pytest.fixture(scope="session")
+def plain_reference(tmp_path_factory):
+    """tests/scripts/train.py on 1 process with the plain optimizer and the global batch, on the
+    backend under test: the weights the cluster's and Slurm's distributed runs of it must end
+    with (tests/test_cluster.py, tests/test_slurm.py share this one job).
+
+    Returns:
+        Its weights, a list of arrays in layer order.
+    """
+    from test_training import train
+    return train(tmp_path_factory, {"plain": True})[0][0]
 
 
 @contextlib.contextmanager

@@ -79,13 +79,13 @@ def test_hostfile_starts_two_ranks_on_each_node_without_the_env_on_the_remote_pa
 
 
 @pytest.mark.backend
-def test_four_ranks_on_two_nodes_equal_one_process_with_the_global_batch(cluster,
-                                                                        tmp_path_factory):
+def test_four_ranks_on_two_nodes_equal_one_process_with_the_global_batch(
+        cluster, tmp_path_factory, plain_reference):
     """THE exactness check across a network: 2 nodes x 2 ranks x batch 2 == 1 x batch 8."""
-    from test_training import BACKEND, QUIET, TRAIN, assert_ranks_identical, assert_same, train
+    from test_training import BACKEND, QUIET, TRAIN, assert_ranks_identical, assert_same
 
     pytest.importorskip(BACKEND)
-    expected = train(tmp_path_factory, {"plain": True})[0][0]
+    expected = plain_reference
     out = tmp_path_factory.mktemp("cluster_run")
     result = cluster.mgpu_train(*HOSTS, TRAIN, json.dumps({}), str(out), **QUIET)
     assert result.returncode == 0, explain(result)

@@ -76,12 +76,6 @@ def test_srun_without_pmix_is_refused_clearly(slurm, tmp_path):
     assert "srun --mpi=pmix" in result.stderr
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    from test_training import train
-    return train(tmp_path_factory, {"plain": True})[0][0]
-
-
 def sbatch(env, tmp_path, launch, *program, **extra):
     """sbatch --wait the example script, sized for this box; returns (result, job log text)."""
     log = tmp_path / "job.out"
@@ -93,7 +87,7 @@ def sbatch(env, tmp_path, launch, *program, **extra):
     return output
 
 
-def test_the_example_batch_script_trains_with_srun(slurm, tmp_path, reference):
+def test_the_example_batch_script_trains_with_srun(slurm, tmp_path, plain_reference):
     """sbatch examples/cluster/slurm_train.sbatch (its default launch line), a tiny model."""
     from test_training import QUIET, assert_ranks_identical, assert_same
 
@@ -102,7 +96,7 @@ def test_the_example_batch_script_trains_with_srun(slurm, tmp_path, reference):
                                              key=lambda item: int(item[0].split("_")[1]))]
                for rank in range(2)]
     assert_ranks_identical(weights)
-    assert_same(weights[0], reference)
+    assert_same(weights[0], plain_reference)
     for start in ("trained 0 ", "trained 1 "):  # both tasks' stdout lands in the job log
         assert any(line.startswith(start) for line in output.splitlines()), output
 

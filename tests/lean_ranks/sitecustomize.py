@@ -9,11 +9,38 @@ CI installs every backend into one environment, and Keras and TensorFlow import 
 merely because they are there (TensorFlow's tf.lite imports jax; Keras its plotting and notebook
 helpers): 1-3 s of CPU per rank, a few hundred ranks per pass on a 2-core machine. No rank of
 the suite uses them; one that did would fail with an ImportError naming the package.
-``MGPU_TEST_LEAN_RANKS=0`` turns it off.
+
+scikit-learn (with SciPy, about 2 s of CPU) is refused only to Keras's scikit-learn wrappers
+(``keras.wrappers``, which ``import keras`` loads and which take a missing scikit-learn as "not
+installed"): the ranks that train on its digits data import it themselves, and get it.
+
+``MGPU_TEST_LEAN_RANKS=0`` turns it all off.
 """
 
 import os
 import sys
+
+#: the modules whose imports of scikit-learn fail in a rank
+_NO_SKLEARN_FOR = "keras.src.wrappers"
+
+
+class _NoSklearnForKerasWrappers:
+    """A meta path finder that fails ``import sklearn`` when keras.src.wrappers asks."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name != "sklearn" and not name.startswith("sklearn."):
+            return None
+        frame = sys._getframe(1)
+        while frame is not None:  # the first frame outside the import machinery: who imports
+            caller = frame.f_globals.get("__name__") or ""
+            if not caller.startswith("importlib") and caller != __name__:
+                break
+            frame = frame.f_back
+        if frame is not None and caller.startswith(_NO_SKLEARN_FOR):
+            raise ModuleNotFoundError(f"No module named {name!r} (tests/lean_ranks: "
+                                      f"refused to {caller})", name=name)
+        return None
 
 
 def _lean() -> None:
@@ -26,6 +53,7 @@ def _lean() -> None:
         names += ["jax", "jaxlib"]
     for name in names:
         sys.modules.setdefault(name, None)
+    sys.meta_path.insert(0, _NoSklearnForKerasWrappers())
 
 
 _lean()
