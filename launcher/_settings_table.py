@@ -295,7 +295,8 @@ SETTINGS: Dict[str, Setting] = _declare(
     _("MGPU_TEST_LAUNCH_ARGS", "text", None, TOOLING,
       "tests: mgpu-train options for every test job", example="--no-pin"),
     _("MGPU_TEST_LEAN_RANKS", "flag", True, TOOLING,
-      "tests: ranks skip matplotlib, IPython and (off JAX) jax (tests/lean_ranks)"),
+      "tests: ranks skip matplotlib, IPython, (off JAX) jax, and scikit-learn for Keras's "
+      "wrappers (tests/lean_ranks)"),
     _("MGPU_FAULT_TRIALS", "text", None, TOOLING, "tests/test_fault_injection.py: trials",
       example="20", shown_default="8"),
     _("MGPU_FAULT_SEED", "text", None, TOOLING, "tests/test_fault_injection.py: random seed",
