@@ -48,7 +48,7 @@ from typing import Any, List, Sequence
 import numpy as np
 
 from mgpu_launch.engines import Engine, reduction, tensorflow_collectives, tensorflow_feeding
-from mgpu_launch.runtime.rendezvous import free_port, job_host_address
+from mgpu_launch.runtime.rendezvous import job_host_address, reserved_port
 from mgpu_launcher import settings
 
 TRANSPORTS = settings.SETTINGS["MGPU_TF_TRANSPORT"].choices  # ("collective", "mpi")
@@ -107,18 +107,18 @@ class TensorFlowEngine(Engine):
         shared_gpu = self._share_gpus(tf, state)
         if self.implementation == "auto":
             self.implementation = "ring" if shared_gpu else "auto"
-        port = free_port()
-        addresses = state.comm.allgather(f"{_reachable_host(state)}:{port}")
-        ctx.configure_collective_ops(
-            collective_leader=f"/job:{_JOB}/replica:0/task:0",
-            scoped_allocator_enabled_ops=("CollectiveReduce",),
-            device_filters=(f"/job:{_JOB}/task:{state.rank}",))
-        server_def = tensorflow_server_pb2.ServerDef(
-            cluster=tf.train.ClusterSpec({_JOB: addresses}).as_cluster_def(),
-            default_session_config=ctx.config, job_name=_JOB, task_index=state.rank,
-            protocol="grpc", port=port)
-        ctx.enable_collective_ops(server_def)
-        ctx.ensure_initialized()
+        with reserved_port() as port:  # held until TF's server listens on it
+            addresses = state.comm.allgather(f"{_reachable_host(state)}:{port}")
+            ctx.configure_collective_ops(
+                collective_leader=f"/job:{_JOB}/replica:0/task:0",
+                scoped_allocator_enabled_ops=("CollectiveReduce",),
+                device_filters=(f"/job:{_JOB}/task:{state.rank}",))
+            server_def = tensorflow_server_pb2.ServerDef(
+                cluster=tf.train.ClusterSpec({_JOB: addresses}).as_cluster_def(),
+                default_session_config=ctx.config, job_name=_JOB, task_index=state.rank,
+                protocol="grpc", port=port)
+            ctx.enable_collective_ops(server_def)
+            ctx.ensure_initialized()
         with tf.init_scope():
             self._instance_key = tf.Variable(_FIXED_KEYS, dtype=tf.int32, trainable=False,
                                              name="mgpu_collective_instance_key")

@@ -5,9 +5,10 @@ for a ``host:port`` here and hands it to its framework (JAX's coordinator, torch
 TensorFlow's servers).
 """
 
+import contextlib
 import ipaddress
 import socket
-from typing import Optional, Sequence, Tuple
+from typing import Iterator, Optional, Sequence, Tuple
 
 from mgpu_launcher import settings
 
@@ -17,6 +18,32 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def reserved_port() -> Iterator[int]:
+    """A TCP port held for a server this process starts inside the ``with`` block.
+
+    :func:`free_port` lets the port go at once: until the framework binds it, any socket on
+    the host may take it (an outgoing connection's ephemeral port, another rank's pick), and
+    the framework then fails to start its server. Here the port stays bound, with
+    ``SO_REUSEADDR`` and never listening, until the block ends: the kernel hands it to no
+    other socket, yet a server that also sets ``SO_REUSEADDR`` (gRPC's do) binds and listens
+    on it.
+
+    Yields:
+        The port number.
+
+    Example:
+        >>> with reserved_port() as port:
+        ...     server = socket.socket()
+        ...     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        ...     server.bind(("", port)); server.listen(); server.close()
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("", 0))
+        yield sock.getsockname()[1]
 
 
 def _is_loopback(address: str) -> bool:

@@ -12,6 +12,10 @@ import doctest
 import numpy as np
 import pytest
 
+from conftest import BACKEND
+
+if BACKEND != "tensorflow":  # importing TF before Keras's torch backend (triton) segfaults
+    pytest.skip("TensorFlow-backend only", allow_module_level=True)
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
