@@ -20,7 +20,7 @@ import time
 import mgpu_launch as mgpu
 from mgpu_launch import runtime
 from mgpu_launch.bench.worker import parse_args, progress
-from mgpu_launch.runtime.rendezvous import rendezvous_address
+from mgpu_launch.runtime.rendezvous import rendezvous
 
 
 def main(argv=None) -> None:
@@ -34,10 +34,10 @@ def main(argv=None) -> None:
     device = torch.device("cuda", 0 if torch.cuda.device_count() == 1 else mgpu.local_rank())
     torch.cuda.set_device(device)
     if mgpu.size() > 1:
-        address = rendezvous_address(runtime.state, "MGPU_TORCH_ADDRESS")
-        dist.init_process_group("nccl", init_method=f"tcp://{address}", rank=mgpu.rank(),
-                                world_size=mgpu.size(), device_id=device,
-                                timeout=datetime.timedelta(minutes=10))
+        with rendezvous(runtime.state, "MGPU_TORCH_ADDRESS") as address:
+            dist.init_process_group("nccl", init_method=f"tcp://{address}", rank=mgpu.rank(),
+                                    world_size=mgpu.size(), device_id=device,
+                                    timeout=datetime.timedelta(minutes=10))
     layout = {"channels_last": torch.channels_last,
               "channels_first": torch.contiguous_format}[args.data_format]
     model = torchvision.models.resnet50().to(device, memory_format=layout)

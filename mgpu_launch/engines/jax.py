@@ -32,7 +32,7 @@ from typing import Any, List, Sequence
 import numpy as np
 
 from mgpu_launch.engines import Engine, reduction
-from mgpu_launch.runtime.rendezvous import bind_address, job_host_address, rendezvous_address
+from mgpu_launch.runtime.rendezvous import bind_address, job_host_address, rendezvous
 from mgpu_launcher import settings
 
 AXIS = "mgpu"
@@ -88,8 +88,6 @@ class JaxEngine(Engine):
                 "any array (importing keras and jax before it is fine).")
         self.size, self.comm = state.size, state.comm
         timeout = int(settings.seconds("MGPU_JAX_INIT_TIMEOUT"))
-        address = rendezvous_address(state, "MGPU_JAX_COORDINATOR", timeout)
-        bound = bind_address(address, job_host_address(state))  # known by now: no collective
         options = {}
         gloo_host = None
         if devices.visible_gpus():
@@ -98,16 +96,18 @@ class JaxEngine(Engine):
         else:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
             gloo_host = job_host_address(state)
-        try:
-            # Left alone, JAX's coordination service (no authentication) binds [::]:port.
-            jax.distributed.initialize(address, num_processes=state.size, process_id=state.rank,
-                                       initialization_timeout=timeout,
-                                       coordinator_bind_address=bound, **options)
-        except Exception as error:  # jaxlib raises its own XlaRuntimeError types
-            raise RuntimeError(
-                f"rank {state.rank} could not join the JAX coordinator at {address} within "
-                f"{timeout} s ({type(error).__name__}: {error}). Raise MGPU_JAX_INIT_TIMEOUT "
-                f"if the processes start slowly.") from error
+        with rendezvous(state, "MGPU_JAX_COORDINATOR", timeout) as address:
+            bound = bind_address(address, job_host_address(state))  # known: no collective
+            try:
+                # Left alone, JAX's coordination service (no authentication) binds [::]:port.
+                jax.distributed.initialize(address, num_processes=state.size,
+                                           process_id=state.rank, initialization_timeout=timeout,
+                                           coordinator_bind_address=bound, **options)
+            except Exception as error:  # jaxlib raises its own XlaRuntimeError types
+                raise RuntimeError(
+                    f"rank {state.rank} could not join the JAX coordinator at {address} within "
+                    f"{timeout} s ({type(error).__name__}: {error}). Raise "
+                    f"MGPU_JAX_INIT_TIMEOUT if the processes start slowly.") from error
         if gloo_host is not None:
             _create_cpu_backend(gloo_host)
         if len(jax.local_devices()) != 1:

@@ -35,7 +35,7 @@ from typing import Any, List, Optional, Sequence
 from mgpu_launch.engines import Engine, reduction
 from mgpu_launch.runtime import process_sets
 from mgpu_launch.runtime.rendezvous import (host_and_port, interface_of, job_host_address,
-                                            listen, rendezvous_address)
+                                            listen, rendezvous)
 from mgpu_launcher import settings
 
 
@@ -91,7 +91,6 @@ class TorchEngine(Engine):
             # Keras's torch step is host-bound; N processes with a pool of all cores each
             # oversubscribe the CPU (2x H200 box: 89.4% -> 94.6% scaling with 4 threads each).
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // state.local_size))
-        address = rendezvous_address(state, "MGPU_TORCH_ADDRESS")
         timeout = datetime.timedelta(seconds=settings.seconds("MGPU_TORCH_TIMEOUT"))
         if torch.cuda.is_available():
             # One visible GPU when the launcher pinned it (CUDA_VISIBLE_DEVICES), else all.
@@ -102,8 +101,10 @@ class TorchEngine(Engine):
             options = {"backend": "gloo"}
             _bind_gloo(job_host_address(state))
         ours = sys.excepthook
-        dist.init_process_group(store=_store(dist, state, address, timeout), rank=state.rank,
-                                world_size=state.size, timeout=timeout, **options)
+        with rendezvous(state, "MGPU_TORCH_ADDRESS") as address:
+            store = _store(dist, state, address, timeout)
+        dist.init_process_group(store=store, rank=state.rank, world_size=state.size,
+                                timeout=timeout, **options)
         # torch wraps sys.excepthook to capture stderr while the old hook runs; ours aborts
         # the MPI job inside that hook, so the captured traceback would never be printed.
         sys.excepthook = ours

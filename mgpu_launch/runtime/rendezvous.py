@@ -13,20 +13,13 @@ from typing import Iterator, Optional, Sequence, Tuple
 from mgpu_launcher import settings
 
 
-def free_port() -> int:
-    """A TCP port that is free on this host right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def reserved_port() -> Iterator[int]:
     """A TCP port held for a server this process starts inside the ``with`` block.
 
-    :func:`free_port` lets the port go at once: until the framework binds it, any socket on
-    the host may take it (an outgoing connection's ephemeral port, another rank's pick), and
-    the framework then fails to start its server. Here the port stays bound, with
+    A port found free and let go at once may be taken before the framework binds it (an
+    outgoing connection's ephemeral port, another rank's pick: its server then fails to
+    start; seen in CI at an elastic restart). Here the port stays bound, with
     ``SO_REUSEADDR`` and never listening, until the block ends: the kernel hands it to no
     other socket, yet a server that also sets ``SO_REUSEADDR`` (gRPC's do) binds and listens
     on it.
@@ -192,26 +185,41 @@ def listen(address: str, job_host: Optional[str] = None) -> socket.socket:
     return socket.create_server((host, port), family=family, backlog=128)
 
 
-def rendezvous_address(state, override_variable: str, timeout: float = 60.0) -> str:
+@contextlib.contextmanager
+def rendezvous(state, override_variable: str, timeout: float = 60.0) -> Iterator[str]:
     """A ``host:port`` on rank 0's host that every rank has proved it can connect to.
 
     Rank 0 picks a free port (or the address in `override_variable`), MPI shares it, rank 0
     listens on it and every rank opens a TCP connection within `timeout` seconds; the results
     are shared, so an unreachable address is one clear error on every rank instead of a
-    framework's hang or C++ abort. The listener is closed again for the framework to bind.
-    It binds the address's own host (:func:`bind_host`), as the framework's listener must.
+    framework's hang or C++ abort. The listener is closed again for the framework to bind,
+    which it must do inside the ``with`` block: a port rank 0 picked stays reserved for it
+    until the block ends (:func:`reserved_port`). It binds the address's own host
+    (:func:`bind_host`), as the framework's listener must.
+
+    Yields:
+        The address, the same on every rank.
 
     Raises:
         RuntimeError: naming the first rank that could not connect, and why.
         settings.SettingError: ``MGPU_BIND_ADDRESS`` is not an IP address (on every rank).
+
+    Example:
+        >>> with rendezvous(state, "MGPU_TORCH_ADDRESS") as address:  # doctest: +SKIP
+        ...     dist.init_process_group("gloo", init_method=f"tcp://{address}", ...)
     """
+    with contextlib.ExitStack() as held:
+        yield _meet(state, override_variable, timeout, held)
+
+
+def _meet(state, override_variable: str, timeout: float, held: contextlib.ExitStack) -> str:
     comm = state.comm
     address = None
     host = job_host_address(state)
     if state.rank == 0:
         address = settings.text(override_variable)  # an MGPU_* HOST:PORT, checked
         if not address:
-            address = f"{host}:{free_port()}"
+            address = f"{host}:{held.enter_context(reserved_port())}"
     address = comm.bcast(address, root=0)
     bound = bind_address(address, host)  # every rank: a bad MGPU_BIND_ADDRESS fails them all
     listener, problem = None, None

@@ -149,7 +149,8 @@ def _forge_until(address, stop):
 def test_attacks_on_the_inspector_change_nothing(tmp_path):
     faultkit.require_backend("tensorflow")
     out, go = str(tmp_path), str(tmp_path / "go")
-    port = rendezvous.free_port()
+    with rendezvous.reserved_port() as port:
+        pass  # a port free now, for rank 0's stall listener to bind
     address = (rendezvous.host_address(), port)  # what rank 0 binds on this one-host job
     proc = faultkit.start(out, "sleep", 5, KERAS_BACKEND="tensorflow", MGPU_STALL_WARNING_S="5",
                           MGPU_STALL_SHUTDOWN_S="12", MGPU_STALL_PORT=str(port),
