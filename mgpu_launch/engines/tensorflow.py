@@ -61,8 +61,27 @@ _FIXED_KEYS = 2 ** 30
 
 
 def _elements(tensor) -> int:
-    """Elements of a tensor of static shape (the fused buffer is split by these counts)."""
-    return int(np.prod(tensor.shape))
+    """Elements of `tensor` when its static shape says (the fused buffer is split by these
+    counts), else 0: the plan only orders and groups, and :meth:`TensorFlowEngine.allreduce`
+    splits such a buffer by the tensors' run-time sizes."""
+    if not tensor.shape.is_fully_defined():
+        return 0
+    return int(np.prod(tensor.shape.as_list(), dtype=np.int64))
+
+
+def _shaped_like(gradient, variable):
+    """`gradient` with `variable`'s static shape where TensorFlow lost it.
+
+    A Dense kernel's gradient on a 3-D input of unknown batch size (every transformer fed
+    by ``Task.fit``, a ``tf.data`` without ``drop_remainder``, a PyDataset through Keras's
+    adapter) has static shape ``(None, n)`` although it is always the kernel's ``(m, n)``.
+    With the variable's shape the buffer keeps a static size: fixed instance keys, XLA.
+    """
+    import tensorflow as tf
+    shape = getattr(variable, "shape", None)
+    if gradient.shape.is_fully_defined() or shape is None or None in tuple(shape):
+        return gradient
+    return tf.reshape(gradient, tuple(shape))
 
 
 def _reachable_host(state) -> str:
@@ -262,7 +281,11 @@ class TensorFlowEngine(Engine):
             summed = compression.decompress(summed, flat.dtype) if compression else summed
             if scale != 1.0:
                 summed = summed * tf.cast(scale, summed.dtype)
-            pieces = tf.split(summed, list(bucket.sizes))
+            if all(tensors[i].shape.is_fully_defined() for i in indices):
+                pieces = tf.split(summed, list(bucket.sizes))
+            else:  # a tensor of unknown static shape: split by the sizes it has at run time
+                pieces = tf.split(summed, tf.stack([tf.size(tensors[i], out_type=tf.int32)
+                                                    for i in indices]))
             for i, piece in zip(indices, pieces):
                 result[i] = tf.reshape(piece, tf.shape(tensors[i]))
         return result
@@ -317,8 +340,11 @@ class TensorFlowEngine(Engine):
                          sparse_as_dense: bool = False, group=None) -> List[Any]:
         """Dense gradients through :meth:`allreduce`; with ``sparse_as_dense=False``,
         IndexedSlices through an allgather of their slices, which keeps single-process
-        semantics (docs/training-recipe.md, sparse gradients)."""
+        semantics (docs/training-recipe.md, sparse gradients). A dense gradient whose static
+        shape TensorFlow lost (an unknown batch size) takes its variable's."""
         import tensorflow as tf
+        grads = [g if g is None or (isinstance(g, tf.IndexedSlices) and not sparse_as_dense)
+                 else _shaped_like(self.densify(g), v) for g, v in zip(grads, variables)]
         sparse = [] if sparse_as_dense else [
             i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
         if not sparse:

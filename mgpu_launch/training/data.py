@@ -221,6 +221,12 @@ def shard(data: Any, batch_size: Optional[int] = None, shuffle: bool = False, se
     Example:
         >>> train = mgpu.data.shard((x_train, y_train), batch_size=64, shuffle=True)
         >>> model.fit(train, epochs=5, validation_data=mgpu.data.shard((x_val, y_val), 64))
+
+        keras-hub's ``Task.fit`` takes a ``tf.data.Dataset`` (or arrays), not a PyDataset:
+        shard a tf.data of the arrays (any backend; keras-hub brings TensorFlow)
+
+        >>> dataset = tf.data.Dataset.from_tensor_slices((features, labels))
+        >>> causal_lm.fit(mgpu.data.shard(dataset, batch_size=8, shuffle=True), epochs=3)
     """
     patches.apply("fit")  # fit keeps the order of what shard returns
     if isinstance(data, keras.utils.PyDataset):

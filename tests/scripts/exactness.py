@@ -31,6 +31,7 @@ mgpu.init()
 import keras  # noqa: E402 - after init, as the README asks
 
 import exact_math  # noqa: E402 - tests/scripts/exact_math.py, beside this worker
+import exactness_hub  # noqa: E402 - the keras-hub cases, beside this worker
 
 
 def forbid_dynamic_gather() -> None:
@@ -79,6 +80,13 @@ def transformer():
     h = keras.layers.LayerNormalization()(keras.layers.Add()([h, attended]))
     h = keras.layers.GlobalAveragePooling1D()(h)
     return keras.Model(tokens, keras.layers.Dense(3)(h))
+
+
+def dense_3d():
+    # A Dense on 3-D inputs: on TensorFlow its kernel's gradient has static shape (None, 16)
+    # when the batch size is unknown (issue 48: every transformer's feed-forward).
+    return keras.Sequential([keras.Input((6, 8)), keras.layers.Dense(16),
+                             keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
 
 
 def lstm():
@@ -135,7 +143,15 @@ CASES = {
                           optimizer=lambda **kw: keras.optimizers.Adam(0.01, **kw)),
     "vision_sync_bn": dict(model=vision, inputs="image", synchronized=True,
                            optimizer=lambda **kw: keras.optimizers.SGD(0.1, momentum=0.9, **kw)),
+    # The README's recipe: mgpu.data.shard of arrays (Keras's adapter: an unknown batch size).
+    "dense_3d_shard": dict(model=dense_3d, inputs="sequence_6x8", feed="shard",
+                           optimizer=lambda **kw: keras.optimizers.Adam(0.01, **kw)),
 }
+# keras-hub transformers, each fed three ways (tests/scripts/exactness_hub.py)
+for _name, (_model, _feed) in exactness_hub.cases().items():
+    CASES[_name] = dict(model=exactness_hub.MODELS[_model], inputs=f"hub:{_model}", feed=_feed,
+                        optimizer=lambda **kw: keras.optimizers.AdamW(
+                            0.01, weight_decay=0.05, epsilon=exactness_hub.EPSILON, **kw))
 
 
 def inputs(kind, samples, rng):
@@ -143,6 +159,8 @@ def inputs(kind, samples, rng):
         x = rng.normal(size=(samples, 6))
     elif kind == "sequence":
         x = rng.normal(size=(samples, 5, 3))
+    elif kind == "sequence_6x8":
+        x = rng.normal(size=(samples, 6, 8))
     elif kind == "image":  # a mean far from zero against the spread, as images have
         x = rng.normal(size=(samples, 5, 5, 3)) * 2.0 + 3.0
     else:  # tokens<length>: few distinct ids, so a batch repeats some (summed embedding rows)
@@ -167,9 +185,13 @@ def train(name, spec, mode, out_path):
     try:
         rng = np.random.default_rng(sorted(CASES).index(name))
         per_pass = GLOBAL_BATCH // passes  # samples per backward pass, all ranks together
-        x = inputs(spec["inputs"], STEPS * GLOBAL_BATCH, rng)
-        x = x.astype(spec["ids"]) if "ids" in spec else x
-        y = rng.integers(0, 3, size=len(x))
+        sample_weight = None
+        if spec["inputs"].startswith("hub:"):
+            x, y, sample_weight = exactness_hub.data(spec["inputs"][4:], STEPS * GLOBAL_BATCH, rng)
+        else:
+            x = inputs(spec["inputs"], STEPS * GLOBAL_BATCH, rng)
+            x = x.astype(spec["ids"]) if "ids" in spec else x
+            y = rng.integers(0, 3, size=len(x))
         model = spec["model"](**({"synchronized": mode == "distributed"}
                                  if spec.get("synchronized") else {}))
         model.set_weights(initial_weights(model, rng))
@@ -180,20 +202,35 @@ def train(name, spec, mode, out_path):
         if spec.get("loss_scale"):
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         batch = per_pass if mode == "reference" else per_pass // size
+        way = spec.get("feed", "split") if mode == "distributed" else "split"
         if mode == "distributed":
             optimizer = mgpu.DistributedOptimizer(optimizer, backward_passes_per_step=passes)
-            # Rank r's part of each pass's global batch: the samples 1 process x per_pass sees.
-            take = np.concatenate([np.arange(start + rank * batch, start + (rank + 1) * batch)
-                                   for start in range(0, len(x), per_pass)])
-            x, y = x[take], y[take]
+            if way != "shard":  # mgpu.data.shard takes every sample and splits them itself
+                # Rank r's part of each pass's global batch: the samples 1 process x per_pass
+                # sees.
+                take = np.concatenate([np.arange(start + rank * batch, start + (rank + 1) * batch)
+                                       for start in range(0, len(y), per_pass)])
+                x, y, sample_weight = keras.tree.map_structure(
+                    lambda a: None if a is None else a[take], (x, y, sample_weight),
+                    none_is_leaf=True)
         model.compile(optimizer=optimizer, auto_scale_loss=False,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+        model.fit(**feeding(way, x, y, sample_weight, batch, spec), epochs=1, shuffle=False,
+                  verbose=0)
         np.savez(out_path, *model.get_weights(),
                  iterations=keras.ops.convert_to_numpy(optimizer.iterations),
                  learning_rate=keras.ops.convert_to_numpy(optimizer.learning_rate))
     finally:
         keras.mixed_precision.set_global_policy("float32")
+
+
+def feeding(way, x, y, sample_weight, batch, spec):
+    """fit's data arguments for feeding `way` (keras-hub cases: exactness_hub.feed)."""
+    if spec["inputs"].startswith("hub:"):
+        return exactness_hub.feed(way, x, y, sample_weight, batch)
+    if way == "shard":
+        return {"x": mgpu.data.shard((x, y), batch_size=batch)}
+    return {"x": x, "y": y, "batch_size": batch}
 
 
 def raw_tf_variable(distributed, out_path):
