@@ -10,6 +10,7 @@ import importlib
 from typing import Any, Dict, List, Optional, Sequence
 
 from mgpu_launch import runtime
+from mgpu_launch.engines.reduction import GradientReduction
 from mgpu_launcher import settings
 
 #: backend name -> "module:Class"
@@ -159,28 +160,26 @@ class Engine:
         placed = ops.multiply(ops.expand_dims(tensor, 0), ops.convert_to_tensor(own_row))
         return self.sum_in_step([placed])[0]
 
-    def watch(self, variables, *, average: bool, prescale: float, postscale: float,
-              compression) -> None:
+    def watch(self, variables, options: GradientReduction) -> None:
         """Called at the optimizer's build: a backend may start reducing these variables'
         gradients during backward (torch). The default waits for ``reduce_gradients``."""
 
-    def reduce_gradients(self, grads, variables, *, average: bool, prescale: float = 1.0,
-                         postscale: float = 1.0, compression=None,
-                         sparse_as_dense: bool = False, group=None) -> List[Any]:
+    def reduce_gradients(self, grads, variables, options: GradientReduction,
+                         group=None) -> List[Any]:
         """The optimizer's reduction: missing gradients as zeros, sparse ones dense, then
-        :meth:`allreduce` (or what :meth:`watch` already started). A backend with sparse
-        gradients (TensorFlow) gathers them instead unless `sparse_as_dense`. `group`: as in
-        :meth:`allreduce`."""
+        :meth:`allreduce` with `options` (or what :meth:`watch` already started). A backend
+        with sparse gradients (TensorFlow) gathers them instead unless
+        ``options.sparse_as_dense``. `group`: as in :meth:`allreduce`."""
         from keras import ops
         self.check_group(group, "reduce_gradients")
         dense = [ops.zeros_like(v) if g is None else self.densify(g)
                  for g, v in zip(grads, variables)]
         within = {} if group is None else {"group": group}
-        return self.allreduce(dense, average=average, prescale=prescale, postscale=postscale,
-                              compression=compression, **within)
+        return self.allreduce(dense, **options.allreduce_options(), **within)
 
     # -- what the gradient reduction costs alone (the efficiency report) -----------------------
-    def time_gradient_reduction(self, variables, *, repeats: int = 5, **reduction) -> float:
+    def time_gradient_reduction(self, variables, options: GradientReduction, *,
+                                repeats: int = 5) -> float:
         """Seconds one reduction of `variables`' gradients takes alone, through the path the
         optimizer's step uses (this engine's transport, fusion and compression), on zeros.
 
@@ -193,8 +192,7 @@ class Engine:
         Args:
             variables: the trainable variables the optimizer reduces (its build's list).
             repeats: timed reductions (>= 1).
-            **reduction: the optimizer's options for :meth:`reduce_gradients` (average,
-                prescale, postscale, compression).
+            options: the optimizer's reduction (its ``options.reduction``).
 
         Returns:
             The median seconds of one reduction on this rank.
@@ -204,7 +202,7 @@ class Engine:
                 raised on every rank alike.
 
         Example:
-            >>> engine.time_gradient_reduction(model.trainable_variables, average=True)
+            >>> engine.time_gradient_reduction(model.trainable_variables, GradientReduction())
             0.0061
         """
         import statistics
@@ -213,7 +211,7 @@ class Engine:
         from mgpu_launch.runtime import collectives
 
         try:
-            once, failure = self.gradient_reduction_runner(list(variables), reduction), ""
+            once, failure = self.gradient_reduction_runner(list(variables), options), ""
         except Exception as error:  # told to every rank below, raised on each
             once, failure = None, f"{type(error).__name__}: {error}"
         failures = collectives.allgather_object(failure)
@@ -229,9 +227,9 @@ class Engine:
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    def gradient_reduction_runner(self, variables, reduction: dict):
+    def gradient_reduction_runner(self, variables, options: GradientReduction):
         """A function that runs one reduction of zero gradients for `variables` with the
-        optimizer's `reduction` options and returns once it has finished on this rank (for
+        optimizer's `options` and returns once it has finished on this rank (for
         :meth:`time_gradient_reduction`; local: it may trace and compile, but run nothing
         collective). The default: :meth:`reduce_gradients` as :meth:`compile_reduction`
         makes it, reading one value of the result."""
@@ -239,7 +237,7 @@ class Engine:
         zeros = [ops.zeros(tuple(v.shape), dtype=v.dtype) for v in variables]
 
         def reduce_all(values):
-            reduced = self.reduce_gradients(list(values), variables, **reduction)
+            reduced = self.reduce_gradients(list(values), variables, options)
             return reduced, ops.reshape(reduced[-1], (-1,))[:1]
         run = self.compile_reduction(reduce_all, zeros)
         return lambda: ops.convert_to_numpy(run(zeros)[1])

@@ -312,31 +312,27 @@ class TensorFlowEngine(Engine):
         "min", "max" or "product"."""
         return tensorflow_collectives.reduce(self, tensor, op, group)
 
-    def reduce_gradients(self, grads, variables, *, average: bool, prescale: float = 1.0,
-                         postscale: float = 1.0, compression=None,
-                         sparse_as_dense: bool = False, group=None) -> List[Any]:
+    def reduce_gradients(self, grads, variables, options: reduction.GradientReduction,
+                         group=None) -> List[Any]:
         """Dense gradients through :meth:`allreduce`; with ``sparse_as_dense=False``,
         IndexedSlices through an allgather of their slices, which keeps single-process
         semantics (docs/training-recipe.md, sparse gradients)."""
         import tensorflow as tf
-        sparse = [] if sparse_as_dense else [
+        sparse = [] if options.sparse_as_dense else [
             i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
         if not sparse:
-            return super().reduce_gradients(grads, variables, average=average, prescale=prescale,
-                                            postscale=postscale, compression=compression,
-                                            group=group)
+            return super().reduce_gradients(grads, variables, options, group=group)
         dense = [i for i in range(len(grads)) if i not in sparse]
         result = list(grads)
         reduced = super().reduce_gradients(
-            [grads[i] for i in dense], [variables[i] for i in dense], average=average,
-            prescale=prescale, postscale=postscale, compression=compression, group=group)
+            [grads[i] for i in dense], [variables[i] for i in dense], options, group=group)
         for i, value in zip(dense, reduced):
             result[i] = value
         size = tensorflow_collectives.members(self, group, "reduce_gradients").size
-        scale = reduction.scale_once(average, size, prescale, postscale)
+        scale = reduction.scale_once(options.average, size, options.prescale, options.postscale)
         for i in sparse:
             result[i] = tensorflow_collectives.reduce_sparse(self, grads[i], scale=scale,
-                                                             compression=compression,
+                                                             compression=options.compression,
                                                              group=group)
         return result
 
