@@ -208,17 +208,14 @@ class Engine:
         import statistics
         import time
 
-        from mgpu_launch.runtime import collectives
+        from mgpu_launch.runtime import agreement
 
         try:
             once, failure = self.gradient_reduction_runner(list(variables), options), ""
         except Exception as error:  # told to every rank below, raised on each
             once, failure = None, f"{type(error).__name__}: {error}"
-        failures = collectives.allgather_object(failure)
-        for rank, failure in enumerate(failures):
-            if failure:
-                raise RuntimeError(f"rank {rank} could not prepare the gradient reduction's "
-                                   f"timing: {failure}")
+        agreement.raise_any_rank(failure, lambda rank, why: RuntimeError(
+            f"rank {rank} could not prepare the gradient reduction's timing: {why}"))
         once()  # warm-up: the first run of a collective sets up its connections
         times = []
         for _ in range(max(1, int(repeats))):
