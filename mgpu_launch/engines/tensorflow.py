@@ -51,9 +51,6 @@ from mgpu_launch.engines import Engine, reduction, tensorflow_collectives, tenso
 from mgpu_launch.runtime.rendezvous import job_host_address, reserved_port
 from mgpu_launcher import settings
 
-TRANSPORTS = settings.SETTINGS["MGPU_TF_TRANSPORT"].choices  # ("collective", "mpi")
-#: MGPU_TF_COLLECTIVE -> CollectiveReduceV2's communication_hint ("auto" is resolved in setup)
-IMPLEMENTATIONS = settings.SETTINGS["MGPU_TF_COLLECTIVE"].choices  # ("auto", "nccl", "ring")
 _JOB = "worker"
 # Keys derived from a collective's signature live in [1, _FIXED_KEYS]; the counter for buffers
 # of unknown shape counts above it, so the two never meet.

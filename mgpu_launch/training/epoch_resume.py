@@ -39,18 +39,14 @@ def keeps_its_order(data, arguments) -> bool:
 
 @contextlib.contextmanager
 def training_on(data):
-    """Make `data` the :func:`training_data` while a ``fit`` on it runs."""
+    """Make `data` the ``x`` of the ``fit`` that runs now (what BackupAndRestore asks the
+    position of) while that ``fit`` runs."""
     global _training_data
     previous, _training_data = _training_data, data
     try:
         yield
     finally:
         _training_data = previous
-
-
-def training_data():
-    """The ``x`` of the ``fit`` that runs now, when the ``fit`` patch saw it (else None)."""
-    return _training_data
 
 
 def backup_state(batches_done: int, size: int, steps) -> dict:
