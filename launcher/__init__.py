@@ -8,7 +8,12 @@ Modules:
     supervisor    running mpirun, relaying rank-tagged output, failure summary, signals
     sessions      a job's process session: members, killing it, a reaper if the caller dies
     elastic       --host-discovery-script: the loop that restarts the job as hosts change
+    elastic_failures  which failures of an elastic job blacklist a host, which end it
     discovery     running and checking the discovery script; the host blacklist
+    hostlists     the one reader of host lists (discovery output, hostfiles)
+    hostfiles     --hostfile and the MPI Operator's hostfile: which hosts, how many slots
+    merge         rank output: the same stderr line from several ranks shown once
+    usage         the checks of the command line (UsageError, exit status 2)
     worker        running the user's program in-process as one rank
     envreport     ``mgpu-train --env``
     settings      every MGPU_* variable (declared in _settings_table): checked readers, the

@@ -33,8 +33,8 @@ def _synchronize_batch_norm(state) -> None:
             state.size > 1 or "keras" in sys.modules):
         from mgpu_launch.training import patches
         patches.install_synchronized_batch_norm()
-        if state.size > 1 and _engines.get_engine().name == "torch":
-            patches.install_torch_process_group_guards()
+        if state.size > 1:
+            patches.install_at_init(_engines.get_engine().name)
 
 
 _runtime.add_hooks(start=_synchronize_batch_norm, stop=lambda: None)
@@ -44,7 +44,7 @@ _runtime.add_hooks(start=_synchronize_batch_norm, stop=lambda: None)
 _LAZY = {
     "DistributedOptimizer": "mgpu_launch.training.optimizer",
     "scale_lr": "mgpu_launch.training.optimizer", "load_model": "mgpu_launch.training.saving",
-    "Compression": "mgpu_launch.runtime.compression",
+    "Compression": "mgpu_launch.engines.compression",
     "callbacks": "mgpu_launch.callbacks", "data": "mgpu_launch.data",
     "layers": "mgpu_launch.layers",
     "run": "mgpu_launch.runtime.launch", "RemoteError": "mgpu_launch.runtime.launch",

@@ -7,6 +7,9 @@ docs/architecture.md explains it):
     mgpu_launcher  <-  runtime/  <-  keras_internals  <-  engines/  <-  training/  <-  horovod/
     <-  the public paths (mgpu_launch/*.py, thin re-exports)  <-  bench/
 
+Also: framework imports only in engines/ and bench/ (none, and no Keras, in runtime/ or the
+launcher), a backend named only where it is chosen or where Keras differs per backend.
+
 Every import counts, also one inside a function (a lazy import is still a dependency: the
 module cannot be read, tested or replaced without the one it imports). Read with ``ast``, so
 nothing is imported and no framework is needed.
@@ -403,3 +406,107 @@ def flag(optimizer):
     optimizer._mgpu_device_learning_rate = True
 '''
     assert boundary_offences({"mgpu_launch.sample": source}) == []
+
+
+# -- framework imports: only in engines/ and bench/, never in runtime/ or the launcher ----------
+#: the deep-learning frameworks (Keras is checked for the runtime and the launcher alone)
+FRAMEWORKS = ("tensorflow", "jax", "jaxlib", "torch")
+#: the packages that may import a framework
+FRAMEWORK_HOMES = ("mgpu_launch.engines", "mgpu_launch.bench")
+#: the lazy exceptions docs/architecture.md names: (module, framework)
+FRAMEWORK_EXCEPTIONS = {("mgpu_launch.training.data", "tensorflow"),
+                        ("mgpu_launch.training.patches.fit", "torch")}
+#: the layers that import no Keras either ("runtime/: no Keras, no framework")
+KERAS_FREE = ("mgpu_launcher", "mgpu_launch.runtime")
+
+
+def imported_tops(source: str) -> Set[str]:
+    """The top-level package of every absolute import in `source`, lazy ones included."""
+    tops = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            tops.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            tops.add(node.module.split(".")[0])
+    return tops
+
+
+def _within(name: str, packages) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def framework_offences(sources: Dict[str, str]) -> List[str]:
+    offences = []
+    for name, source in sorted(sources.items()):
+        tops = imported_tops(source)
+        for framework in sorted(tops & set(FRAMEWORKS)):
+            if not _within(name, FRAMEWORK_HOMES) and (name, framework) not in FRAMEWORK_EXCEPTIONS:
+                offences.append(f"{name} imports {framework}")
+        if "keras" in tops and _within(name, KERAS_FREE):
+            offences.append(f"{name} imports keras")
+    return offences
+
+
+def test_frameworks_are_imported_only_by_the_engines():
+    sources = dict(_sources("mgpu_launch"), **_sources("mgpu_launcher"))
+    offences = framework_offences(sources)
+    assert not offences, ("a framework import outside engines/ and bench/ (casting, collectives "
+                          "and devices are engine work: add an Engine method):\n"
+                          + "\n".join(offences))
+
+
+def test_the_framework_check_fails_on_planted_imports():
+    lazy = "def cast(x):\n    import keras\n    from jax import numpy\n    return x\n"
+    sources = {"mgpu_launch.runtime.planted": lazy,
+               "mgpu_launch.training.planted": "import torch.distributed\n",
+               "mgpu_launch.engines.planted": "import torch\nimport keras\n",
+               "mgpu_launch.training.data": "import tensorflow as tf\n"}
+    assert framework_offences(sources) == [
+        "mgpu_launch.runtime.planted imports jax", "mgpu_launch.runtime.planted imports keras",
+        "mgpu_launch.training.planted imports torch"]
+
+
+# -- backend names: only where the backend is chosen or Keras differs per backend -------------
+BACKENDS = ("tensorflow", "jax", "torch")
+#: the modules that may name a backend, each with why
+NAMES_BACKENDS = {
+    "mgpu_launch.engines": "the engines: one per backend, chosen in engines/__init__.py",
+    "mgpu_launch.bench": "mgpu-bench: its native baselines are per framework",
+    "mgpu_launch.training.patches": "which Keras classes to patch differs per backend",
+    "mgpu_launch.horovod.tensorflow_api": "Horovod's TensorFlow namespace needs that backend",
+}
+
+
+def backend_names(source: str) -> List[str]:
+    """Where `source` compares with a backend's name or keys a table by one."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            constants = [node.left] + list(node.comparators)
+        elif isinstance(node, ast.Dict):
+            constants = [key for key in node.keys if key is not None]
+        else:
+            continue
+        for constant in constants:
+            if isinstance(constant, ast.Constant) and constant.value in BACKENDS:
+                found.append(f"line {node.lineno}: {constant.value!r}")
+    return found
+
+
+def backend_offences(sources: Dict[str, str]) -> List[str]:
+    return [f"{name} {found}" for name, source in sorted(sources.items())
+            if not _within(name, NAMES_BACKENDS) for found in backend_names(source)]
+
+
+def test_only_the_engines_and_the_patches_name_a_backend():
+    offences = backend_offences(_sources("mgpu_launch"))
+    assert not offences, ("a backend named outside the engines (ask the engine instead, or "
+                          "key the patch registry by engine name):\n" + "\n".join(offences))
+
+
+def test_the_backend_check_fails_on_a_planted_name():
+    source = 'import keras\nif keras.backend.backend() == "torch":\n    TABLE = {"jax": 1}\n'
+    assert backend_offences({"mgpu_launch.training.planted": source,
+                             "mgpu_launch.engines.planted": source}) == [
+        "mgpu_launch.training.planted line 2: 'torch'",
+        "mgpu_launch.training.planted line 3: 'jax'"]

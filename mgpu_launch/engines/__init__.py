@@ -89,7 +89,7 @@ class Engine:
             average: divide the sum by the number of ranks.
             prescale: multiply each tensor by this before the sum (Horovod's predivide).
             postscale: multiply each result by this after the sum (and the average).
-            compression: a ``mgpu_launch.runtime.compression`` codec for the wire, or None.
+            compression: a ``mgpu_launch.engines.compression`` codec for the wire, or None.
             group: None (every rank) or a process set's ``runtime.process_sets.Group``
                 (only where :meth:`supports_process_sets`): its members reduce among
                 themselves, an average divides by its size.

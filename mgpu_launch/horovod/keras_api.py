@@ -54,7 +54,7 @@ from mgpu_launch.horovod.support import (Adasum, Average, ProcessSet, Sum, add_p
                                          rocm_built)
 from mgpu_launch.runtime import (cross_rank, cross_size, is_initialized, launch as _launch,
                                  local_rank, local_size, rank, shutdown, size)
-from mgpu_launch.runtime.compression import Compression
+from mgpu_launch.engines.compression import Compression
 from mgpu_launch.training import optimizer as _optimizer, patches, saving
 from mgpu_launch.training.callbacks import model_state_variables
 from mgpu_launch.training.layers import SyncBatchNormalization

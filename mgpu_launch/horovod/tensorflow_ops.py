@@ -24,7 +24,7 @@ from mgpu_launch.engines.reduction import GradientReduction
 from mgpu_launch.horovod import support
 from mgpu_launch.horovod.support import global_process_set, process_set_group
 from mgpu_launch.runtime.collectives import Average, Max, Min, Product
-from mgpu_launch.runtime.compression import Compression
+from mgpu_launch.engines.compression import Compression
 
 _NAME = "mgpu_launch.tensorflow"
 _MERGE = {Min: "min", Max: "max", Product: "product"}

@@ -11,7 +11,7 @@ from mgpu_launch.engines.reduction import GradientReduction
 from mgpu_launch.horovod import support
 from mgpu_launch.horovod.support import ProcessSet, global_process_set
 from mgpu_launch.runtime.collectives import Average, Sum
-from mgpu_launch.runtime.compression import Compression
+from mgpu_launch.engines.compression import Compression
 
 _NAME = "mgpu_launch.tensorflow"
 

@@ -11,6 +11,8 @@ topology and the host collectives pays for neither. Its modules, lowest first:
     stall_channel   the stall inspector's authenticated line protocol
     stall           the stall inspector: which rank waits where, named when a step stalls
     timeline        every rank's step phases and host collectives, merged into one trace
+    trace_files     the timeline's JSON trace format, its atomic writes, merging dumps
+    timeline_signals  a rank ended by SIGTERM writes its timeline first
     errors          the layer's exceptions (NotInitializedError, MismatchError, ...)
     process_set_table  the registered process sets, their MPI sub-communicators, the
                     engines' listeners
@@ -21,7 +23,7 @@ topology and the host collectives pays for neither. Its modules, lowest first:
     collectives     host collectives over MPI (allreduce, allgather, broadcast, barrier) with
                     the mismatch checks that turn a would-be hang into an error, over every
                     rank or within a process set
-    compression     what gradients are cast to on the wire (fp16, bf16)
+    agreement       one rank decides, every rank raises alike (a refusal never hangs)
     launch          mgpu_launch.run(): a Python function on N ranks from a notebook or script
 
 The layers above (engines, training, horovod) import from here; nothing here imports them.

@@ -2,7 +2,7 @@
 
 ``callbacks.BackupAndRestore(save_freq=N)`` backs up every N steps. After a restart, the
 ``EpochIterator._enumerate_iterator`` patch (``mgpu_launch.training.patches``, installed by
-:func:`keras_patches.resume_at`) hands the first epoch of ``fit`` to :func:`resumed_epoch`,
+:func:`mgpu_launch.training.patches.resume_at`) hands the first epoch of ``fit`` to :func:`resumed_epoch`,
 which moves the data on to the backed-up epoch and drops the batches already trained on.
 
 Exact for ``mgpu.data.shard`` (its shuffle is seeded per epoch, so any epoch's order can be
@@ -127,7 +127,7 @@ def resume_point(epochs: int, batches: int, saved: dict, size: int, steps):
         resume across a size change did, in words ("" when the size is the same).
 
     With ``mgpu.data.shard`` data the epoch continues at the same global position of its
-    order (:meth:`mgpu_launch.data._Shard.start_at`): every unit of the interrupted epoch is
+    order (:meth:`mgpu_launch.training.data._Shard.start_at`): every unit of the interrupted epoch is
     trained once, except a remainder smaller than one global batch of the new size. Other
     data resumes at the same fraction of the epoch, with a warning.
     """

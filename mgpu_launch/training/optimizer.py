@@ -13,7 +13,7 @@ from keras import ops
 from mgpu_launch import engines, keras_internals, runtime
 from mgpu_launch.runtime import collectives, process_sets
 from mgpu_launch.runtime.collectives import ReduceOp
-from mgpu_launch.runtime.compression import Compression, Compressor
+from mgpu_launch.engines.compression import Compression, Compressor
 from mgpu_launch.training import patches
 from mgpu_launch.training import optimizer_sync
 from mgpu_launch.training.optimizer_options import DistributedOptions

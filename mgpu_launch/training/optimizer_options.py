@@ -14,7 +14,7 @@ from typing import Any, Optional
 from mgpu_launch.engines.reduction import GradientReduction
 from mgpu_launch.runtime import collectives, process_sets
 from mgpu_launch.runtime.collectives import ReduceOp
-from mgpu_launch.runtime.compression import Compression, Compressor
+from mgpu_launch.engines.compression import Compression, Compressor
 
 __all__ = ["DistributedOptions"]
 

@@ -21,7 +21,7 @@ _resume: Optional[Tuple[int, int]] = None
 
 
 def set_distributed_class(distributed_class: type) -> None:
-    """Make the patches act on models compiled with `distributed_class` (keras_patches.install)."""
+    """Make the patches act on models compiled with `distributed_class` (patches.install)."""
     global _distributed_class
     _distributed_class = distributed_class
 
@@ -145,7 +145,7 @@ def tf_auto_jit(original):
 
 
 def torch_train_function(original, on_capture: Callable[[], None]):
-    # on_capture installs the patches a captured step needs (keras_patches.FOR_CUDA_GRAPHS);
+    # on_capture installs the patches a captured step needs (patches.FOR_CUDA_GRAPHS);
     # passed in, so this module need not import the registry, which imports it.
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
