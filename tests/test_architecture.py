@@ -510,3 +510,100 @@ def test_the_backend_check_fails_on_a_planted_name():
                              "mgpu_launch.engines.planted": source}) == [
         "mgpu_launch.training.planted line 2: 'torch'",
         "mgpu_launch.training.planted line 3: 'jax'"]
+
+
+# -- the engine interface: every engine method called outside engines/ is declared -------------
+#: the calls that give an engine (engines/__init__.py's dispatcher, and helpers named _engine)
+ENGINE_GETTERS = ("get_engine", "get_engine_or_default", "graph_collectives", "_engine")
+
+
+def declared_engine_methods() -> Set[str]:
+    """Every method and attribute the interfaces of engines/api.py declare."""
+    tree = ast.parse((ROOT / "mgpu_launch" / "engines" / "api.py").read_text())
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AnnAssign)):
+                    names.add(item.name if isinstance(item, ast.FunctionDef)
+                              else item.target.id)
+    return names
+
+
+def _gives_engine(node: ast.AST) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    function = node.func
+    name = function.attr if isinstance(function, ast.Attribute) else getattr(function, "id", "")
+    return name in ENGINE_GETTERS
+
+
+def engine_calls(source: str) -> List[tuple]:
+    """(line, attribute) of every attribute read on an engine: on a getter's result directly
+    (``engines.get_engine().watch``) or on a name bound to one (``engine = get_engine()``)."""
+    tree = ast.parse(source)
+    bound = {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+             and _gives_engine(node.value) for target in node.targets
+             if isinstance(target, ast.Name)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and (
+                _gives_engine(node.value)
+                or (isinstance(node.value, ast.Name) and node.value.id in bound)):
+            found.append((node.lineno, node.attr))
+    return found
+
+
+def undeclared_engine_calls(sources: Dict[str, str]) -> List[str]:
+    declared = declared_engine_methods()
+    return [f"{name} line {line}: engine.{attribute}" for name, source in sorted(sources.items())
+            if not name.startswith("mgpu_launch.engines")
+            for line, attribute in engine_calls(source) if attribute not in declared]
+
+
+def test_every_engine_method_called_is_declared_by_an_interface():
+    assert {"reduce_gradients", "compiles_collectives", "name"} <= declared_engine_methods()
+    offences = undeclared_engine_calls(_sources("mgpu_launch"))
+    assert not offences, ("an engine method called outside engines/ that no interface in "
+                          "engines/api.py declares (declare it there, on the concern it "
+                          "belongs to):\n" + "\n".join(offences))
+
+
+def test_the_interface_check_fails_on_a_planted_call():
+    source = ('from mgpu_launch import engines\n'
+              'engine = engines.get_engine()\n'
+              'engine.reduce_gradients([], [], None)\n'
+              'engine.collective_reduce(x)\n'
+              'engines.graph_collectives("x").ring_allgather(y)\n')
+    assert undeclared_engine_calls({"mgpu_launch.training.planted": source}) == [
+        "mgpu_launch.training.planted line 4: engine.collective_reduce",
+        "mgpu_launch.training.planted line 5: engine.ring_allgather"]
+
+
+def _interfaces_in_api() -> List[str]:
+    tree = ast.parse((ROOT / "mgpu_launch" / "engines" / "api.py").read_text())
+    return [node.name for node in tree.body if isinstance(node, ast.ClassDef)]
+
+
+def _bases_by_class() -> Dict[str, Set[str]]:
+    """Every class of engines/ -> the names of its bases (api.X read as X)."""
+    found = {}
+    for path in (ROOT / "mgpu_launch" / "engines").glob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                found[node.name] = {ast.unparse(b).rpartition(".")[2] for b in node.bases}
+    return found
+
+
+def test_docs_draw_every_engine_interface_and_who_implements_it():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text.split("## The engine interfaces", 1)[1].split("```", 2)[1]
+    drawn = {line.split()[0]: line for line in block.strip().splitlines()}
+    assert list(drawn) == _interfaces_in_api()
+    bases = _bases_by_class()
+    # Engine implements every interface but GraphCollectives; TensorFlowEngine adds that one
+    assert bases["Engine"] == set(_interfaces_in_api()) - {"GraphCollectives"}
+    adding = sorted(name for name, of in bases.items() if "GraphCollectives" in of)
+    assert adding == ["TensorFlowEngine"] and drawn["GraphCollectives"].endswith(
+        "TensorFlowEngine only")
+    assert all("Engine;" in line for name, line in drawn.items() if name != "GraphCollectives")

@@ -1,8 +1,10 @@
 """One engine per Keras backend: the collectives that run inside the compiled train step.
 
 The rest of mgpu_launch (optimizer, callbacks) is backend-agnostic Keras code; everything that
-needs the backend's own collective machinery is an :class:`Engine` method. The engine is chosen
-once, from ``keras.backend.backend()``, by :func:`get_engine`; framework imports live only in
+needs the backend's own collective machinery is an :class:`Engine` method. What an engine is
+(one small interface per concern) is declared in ``engines/api.py``; :class:`Engine` here
+implements those interfaces with defaults, and the dispatcher picks the backend's subclass
+once, from ``keras.backend.backend()``, by :func:`get_engine`. Framework imports live only in
 ``engines/<backend>.py``. Adding a backend means adding a module and a line to ``ENGINES``.
 """
 
@@ -10,6 +12,7 @@ import importlib
 from typing import Any, Dict, List, Optional, Sequence
 
 from mgpu_launch import runtime
+from mgpu_launch.engines import api
 from mgpu_launch.engines.reduction import GradientReduction
 from mgpu_launcher import settings
 
@@ -25,8 +28,11 @@ class UnknownBackend(ValueError):
     """The Keras backend has no engine (the message lists the supported ones)."""
 
 
-class Engine:
-    """What every backend provides. Methods are called on every rank, in the same order.
+class Engine(api.Lifecycle, api.Feeding, api.TrainStep, api.GradientReducer,
+             api.ProcessSetSupport, api.InStepCollectives, api.ReductionTiming,
+             api.HorovodQueries):
+    """What every backend provides (every interface of ``engines/api.py`` but
+    ``GraphCollectives``), with defaults. Methods are called on every rank, in the same order.
 
     ``broadcast_variables`` has a working host default (MPI on numpy copies); a backend
     overrides it when it has a better path.
@@ -322,6 +328,24 @@ def get_engine(backend: Optional[str] = None) -> Engine:
     module_name, class_name = ENGINES[backend].split(":")
     _engine = getattr(importlib.import_module(module_name), class_name)()
     return _engine
+
+
+def graph_collectives(what: str) -> api.GraphCollectives:
+    """The backend's engine, as the in-graph collectives beyond the sum (TensorFlow's).
+
+    Args:
+        what: the caller, for the message.
+
+    Raises:
+        ValueError: the backend's engine has none; the message names the backend and the fix.
+    """
+    engine = get_engine()
+    if not isinstance(engine, api.GraphCollectives):
+        raise ValueError(f"{what} needs in-graph allgather / broadcast / reduce, which only the "
+                         f"TensorFlow engine has; the Keras backend is {engine.name!r}. Set "
+                         f"KERAS_BACKEND=tensorflow, or use the host collectives "
+                         f"(mgpu.allgather, mgpu.broadcast, mgpu.allreduce).")
+    return engine
 
 
 def get_engine_or_default(backend: Optional[str] = None) -> Engine:

@@ -47,7 +47,8 @@ from typing import Any, List, Sequence
 
 import numpy as np
 
-from mgpu_launch.engines import Engine, reduction, tensorflow_collectives, tensorflow_feeding
+from mgpu_launch.engines import (Engine, api, reduction, tensorflow_collectives,
+                                  tensorflow_feeding)
 from mgpu_launch.runtime.rendezvous import job_host_address, reserved_port
 from mgpu_launcher import settings
 
@@ -68,7 +69,7 @@ def _reachable_host(state) -> str:
     return settings.text("MGPU_TF_HOST") or found
 
 
-class TensorFlowEngine(Engine):
+class TensorFlowEngine(Engine, api.GraphCollectives):
     name = "tensorflow"
 
     def __init__(self):

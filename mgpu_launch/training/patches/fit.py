@@ -138,7 +138,7 @@ def tf_auto_jit(original):
     # cannot compile (the host ring) would then fail at its first trace.
     def _resolve_auto_jit_compile(self):
         if (uses_distributed_optimizer(self) and runtime.is_multi_process()
-                and not engines.get_engine().compiles_collectives()):
+                and not engines.graph_collectives("jit_compile='auto'").compiles_collectives()):
             return False
         return original(self)
     return _resolve_auto_jit_compile
