@@ -158,8 +158,6 @@ class Engine(api.Lifecycle, api.Feeding, api.TrainStep, api.GradientReducer,
         import numpy as np
         from keras import backend, ops
 
-        from mgpu_launch import runtime
-
         own_row = np.zeros((runtime.size(),) + (1,) * len(tensor.shape),
                            dtype=backend.standardize_dtype(tensor.dtype))
         own_row[runtime.rank()] = 1
@@ -366,16 +364,3 @@ def reset() -> None:
     if _engine is not None:
         _engine.shutdown()
     _engine = None
-
-
-def _start(state) -> None:
-    """Runtime hook: on a multi-process job, set up the backend's engine at ``mgpu.init()``.
-
-    ``MGPU_ENGINE=none`` skips it (host collectives only, Keras never imported).
-    """
-    if state.size > 1 and settings.choice("MGPU_ENGINE") != "none":
-        get_engine().setup(state)
-
-
-# The runtime knows nothing of engines (it sits below them): they join its start and stop.
-runtime.add_hooks(start=_start, stop=reset)
