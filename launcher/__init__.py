@@ -1,7 +1,10 @@
 """The ``mgpu-train`` launcher. Imports no deep-learning framework.
 
 Modules:
-    cli           command line -> Config -> run (standalone or worker mode)
+    cli           command line -> Config: parsing and checks only
+    api           Config, the mpirun command, launch(): worker mode, elastic, or fixed hosts
+                  with restarts; mgpu_launch.run's single supervised attempt
+    restarts      what every restart shares: each attempt's variables, when not to restart
     environments  rank / size / local rank from Open MPI, MPICH/Intel MPI, Slurm, torchrun
     devices       visible GPUs; pinning one per worker
     mpirun        finding mpirun, its MPI flavour, building its argument list

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from mgpu_launcher import cli, mpirun
+from mgpu_launcher import api, cli, mpirun
 
 OPENMPI_VERSION = "mpirun (Open MPI) 5.0.11\n\nReport bugs to https://www.open-mpi.org/community/help/\n"
 MPICH_VERSION = "HYDRA build details:\n    Version:                                 4.1.2\n"
@@ -178,14 +178,14 @@ def test_one_host_only_when_no_other_host_can_take_a_rank(hosts, hostfile, extra
 def test_a_one_host_job_turns_open_mpis_tcp_transport_off_unless_told(script, monkeypatch):
     """Open MPI's TCP transport listens on every interface in every rank (docs/security.md)."""
     monkeypatch.delenv("OMPI_MCA_btl", raising=False)
-    _, flavour, env = cli.build_job(cli.parse_args(["-np", "2", script]))
+    _, flavour, env = api.build_job(cli.parse_args(["-np", "2", script]))
     if flavour is not mpirun.OPENMPI:
         pytest.skip(f"mpirun here is {flavour.name}")
     assert env["OMPI_MCA_btl"] == "^tcp"
-    _, _, env = cli.build_job(cli.parse_args(["-np", "2", "-H", "localhost:1,node2:1", script]))
+    _, _, env = api.build_job(cli.parse_args(["-np", "2", "-H", "localhost:1,node2:1", script]))
     assert "OMPI_MCA_btl" not in env
     monkeypatch.setenv("OMPI_MCA_btl", "self,tcp")
-    _, _, env = cli.build_job(cli.parse_args(["-np", "2", script]))
+    _, _, env = api.build_job(cli.parse_args(["-np", "2", script]))
     assert env["OMPI_MCA_btl"] == "self,tcp"
 
 

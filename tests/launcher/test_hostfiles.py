@@ -15,7 +15,7 @@ import shlex
 import pytest
 
 import elastickit
-from mgpu_launcher import cli, discovery, hostfiles
+from mgpu_launcher import api, cli, discovery, hostfiles
 
 BARE = "pi-worker-0.pi-worker\npi-worker-1.pi-worker\n"  # operator v0.3.0
 WITH_SLOTS = "pi-worker-0.pi.default.svc slots=2\npi-worker-1.pi.default.svc slots=2\n"  # v0.8.2
@@ -61,7 +61,7 @@ def test_bare_names_get_the_mpijobs_slots_per_worker(operator, script, capsys):
     assert "--hostfile" not in command
     # mpirun gets only these hosts (Open MPI 4 would read the variable's file too) and may use
     # the network: the job spans hosts
-    _, _, env = cli.build_job(cli.parse_args(["-np", "8", script]))
+    _, _, env = api.build_job(cli.parse_args(["-np", "8", script]))
     assert "OMPI_MCA_orte_default_hostfile" not in env and "OMPI_MCA_btl" not in env
 
 
