@@ -241,3 +241,14 @@ def test_an_unknown_keras_backend_lists_the_ones_that_work(env, argv, monkeypatc
 def test_the_launchers_backend_list_is_the_engines():
     from mgpu_launch.engines import ENGINES
     assert sorted(cli.KERAS_BACKENDS) == sorted(ENGINES)
+
+
+def test_the_timeline_reaches_the_ranks_through_the_jobs_environment(script, tmp_path,
+                                                                      monkeypatch):
+    # build_job reads Config.timeline; mgpu-train's own environment is left alone
+    monkeypatch.delenv("MGPU_TIMELINE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    command, _, env = api.build_job(cli.parse_args(["-np", "2", "--timeline", "t.json", script]))
+    assert env["MGPU_TIMELINE"] == str(tmp_path / "t.json")
+    assert "MGPU_TIMELINE" in command  # forwarded by name (-x), as every MGPU_* variable
+    assert "MGPU_TIMELINE" not in os.environ
