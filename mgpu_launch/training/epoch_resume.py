@@ -1,9 +1,10 @@
 """Start an epoch in the middle: the data order and batch numbers of an interrupted run.
 
 ``callbacks.BackupAndRestore(save_freq=N)`` backs up every N steps. After a restart, the
-``EpochIterator._enumerate_iterator`` patch (``mgpu_launch.training.patches``, installed by
-:func:`mgpu_launch.training.patches.resume_at`) hands the first epoch of ``fit`` to :func:`resumed_epoch`,
-which moves the data on to the backed-up epoch and drops the batches already trained on.
+``EpochIterator._enumerate_iterator`` patch (installed by
+:func:`mgpu_launch.training.patches.resume_at`) hands the first epoch of ``fit`` to
+:func:`resumed_epoch`, which moves the data on to the backed-up epoch and drops the batches
+already trained on.
 
 Exact for ``mgpu.data.shard`` (its shuffle is seeded per epoch, so any epoch's order can be
 rebuilt) and for data without shuffling; ``fit(shuffle=True)`` cannot be replayed and warns.
@@ -127,8 +128,8 @@ def resume_point(epochs: int, batches: int, saved: dict, size: int, steps):
         resume across a size change did, in words ("" when the size is the same).
 
     With ``mgpu.data.shard`` data the epoch continues at the same global position of its
-    order (:meth:`mgpu_launch.training.data._Shard.start_at`): every unit of the interrupted epoch is
-    trained once, except a remainder smaller than one global batch of the new size. Other
+    order (:meth:`mgpu_launch.training.data._Shard.start_at`): every unit of the interrupted
+    epoch is trained once, except a remainder smaller than one global batch of the new size. Other
     data resumes at the same fraction of the epoch, with a warning.
     """
     old_size = int(saved.get("size") or size)

@@ -309,8 +309,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         """The inner optimizer, serialized as Keras does, plus our settings under "mgpu_launch".
 
         This is what ``model.save`` writes for the model's optimizer (the compile-config patch
-        in ``training/patches/objects.py``): plain ``keras.models.load_model`` builds the inner optimizer
-        and ignores the extra key; :func:`load_model` reads it back to re-wrap.
+        in ``training/patches/objects.py``): plain ``keras.models.load_model`` builds the inner
+        optimizer and ignores the extra key; ``mgpu.load_model`` reads it back to re-wrap.
         """
         settings = self.get_config()
         config = settings.pop("optimizer")

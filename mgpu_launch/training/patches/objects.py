@@ -48,7 +48,7 @@ def horovod_compile(original):
 
 
 def batch_norm_init(original):
-    # the patch registry (patches/__init__.py) has checked that `synchronized` is one of its parameters
+    # the patch registry (patches/__init__.py) checked that `synchronized` is a parameter
     signature = inspect.signature(original)
 
     @functools.wraps(original)
