@@ -129,8 +129,8 @@ def resume_point(epochs: int, batches: int, saved: dict, size: int, steps):
 
     With ``mgpu.data.shard`` data the epoch continues at the same global position of its
     order (:meth:`mgpu_launch.training.data._Shard.start_at`): every unit of the interrupted
-    epoch is trained once, except a remainder smaller than one global batch of the new size. Other
-    data resumes at the same fraction of the epoch, with a warning.
+    epoch is trained once, except a remainder smaller than one global batch of the new size.
+    Other data resumes at the same fraction of the epoch, with a warning.
     """
     old_size = int(saved.get("size") or size)
     data = _training_data
