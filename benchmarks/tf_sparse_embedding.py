@@ -35,6 +35,7 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from mgpu_launch.engines import get_engine  # noqa: E402
+from mgpu_launch.engines.reduction import GradientReduction  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--rows", type=int, default=1_000_000)
@@ -101,8 +102,8 @@ for fraction in [float(f) for f in args.fractions.split(",")]:
         @tf.function
         def reduce(values, indices, dense=mode == "dense"):
             gradient = tf.IndexedSlices(values, indices, tf.constant([args.rows, args.dim]))
-            return engine.reduce_gradients([gradient], [None], average=True,
-                                           sparse_as_dense=dense)
+            return engine.reduce_gradients([gradient], [None],
+                                           GradientReduction(sparse_as_dense=dense))
 
         seconds = median(lambda: [getattr(t, "values", t).numpy()[:1]
                                   for t in reduce(values, indices)], args.steps)

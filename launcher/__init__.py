@@ -1,14 +1,22 @@
 """The ``mgpu-train`` launcher. Imports no deep-learning framework.
 
 Modules:
-    cli           command line -> Config -> run (standalone or worker mode)
+    cli           command line -> Config: parsing and checks only
+    api           Config, the mpirun command, launch(): worker mode, elastic, or fixed hosts
+                  with restarts; mgpu_launch.run's single supervised attempt
+    restarts      what every restart shares: each attempt's variables, when not to restart
     environments  rank / size / local rank from Open MPI, MPICH/Intel MPI, Slurm, torchrun
     devices       visible GPUs; pinning one per worker
     mpirun        finding mpirun, its MPI flavour, building its argument list
     supervisor    running mpirun, relaying rank-tagged output, failure summary, signals
     sessions      a job's process session: members, killing it, a reaper if the caller dies
     elastic       --host-discovery-script: the loop that restarts the job as hosts change
+    elastic_failures  which failures of an elastic job blacklist a host, which end it
     discovery     running and checking the discovery script; the host blacklist
+    hostlists     the one reader of host lists (discovery output, hostfiles)
+    hostfiles     --hostfile and the MPI Operator's hostfile: which hosts, how many slots
+    merge         rank output: the same stderr line from several ranks shown once
+    usage         the checks of the command line (UsageError, exit status 2)
     worker        running the user's program in-process as one rank
     envreport     ``mgpu-train --env``
     settings      every MGPU_* variable (declared in _settings_table): checked readers, the

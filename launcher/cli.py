@@ -1,11 +1,13 @@
-"""``mgpu-train``: command line -> frozen config -> run.
+"""``mgpu-train``: command line -> frozen config (``mgpu_launcher.api.Config``) -> launch.
 
-Two modes, chosen by ``-np``:
+This module only parses and checks the command line; ``mgpu_launcher.api.launch`` carries out
+the Config. Two modes, chosen by ``-np``:
 
 * **standalone** (``mgpu-train -np 4 train.py``): start the job through mpirun, which runs
   ``python -m mgpu_launcher train.py`` on every rank, and supervise it (mgpu_launcher.supervisor),
-  starting it again after a failure with ``--max-restarts N`` (:func:`run_with_restarts`), or
-  with ``--host-discovery-script`` on the hosts discovery lists (mgpu_launcher.elastic);
+  starting it again after a failure with ``--max-restarts N``
+  (``mgpu_launcher.api.run_with_restarts``), or with ``--host-discovery-script`` on the hosts
+  discovery lists (mgpu_launcher.elastic);
 * **worker** (no ``-np``: ``mpirun -np 4 mgpu-train train.py``, ``srun mgpu-train train.py``, or
   plainly ``mgpu-train train.py`` for one process): run the program in this process
   (mgpu_launcher.worker).
@@ -20,47 +22,17 @@ import os
 import re
 import shlex
 import sys
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
-from mgpu_launcher import (__version__, devices, elastic, environments, hostfiles, mpirun,
-                           settings, supervisor, usage, worker)
+from mgpu_launcher import (__version__, api, devices, elastic, environments, hostfiles, mpirun,
+                           settings, usage)
+from mgpu_launcher.api import Config
 from mgpu_launcher.usage import KERAS_BACKENDS, PROG, UsageError  # noqa: F401 (public here)
-
-#: Forwarded to every rank (remote hosts included) whenever they are set.
-FORWARDED_VARIABLES = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "KERAS_BACKEND", "KERAS_HOME",
-                       "VIRTUAL_ENV")
-FORWARDED_PREFIXES = ("MGPU_", "NCCL_", "XLA_", "TF_", "JAX_", "CUDA_", "OMP_")
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         raise UsageError(f"{message} (see {PROG} --help)")
-
-
-@dataclasses.dataclass(frozen=True)
-class Config:
-    """Everything one mgpu-train invocation was asked to do."""
-
-    kind: Optional[str]  # "script" | "module" | "code" | None (only with --env)
-    target: Optional[str]
-    args: Tuple[str, ...]
-    np: Optional[int]  # None: worker mode (run in this process)
-    hosts: Optional[str] = None
-    hostfile: Optional[str] = None
-    mpirun: Optional[str] = None
-    mpirun_args: Tuple[str, ...] = ()
-    forward: Tuple[str, ...] = ()
-    output_dir: Optional[str] = None
-    all_ranks_output: bool = False
-    pin: bool = True
-    dry_run: bool = False
-    env_report: bool = False
-    max_restarts: int = 0
-    merge_window: Optional[float] = None  # MGPU_MERGE_SECONDS (None: merge.DEFAULT_WINDOW)
-    elastic_options: Optional[elastic.Options] = None  # --host-discovery-script given
-    placement: Optional[hostfiles.Placement] = None  # a hostfile, given or the MPI Operator's
-    slots_per_host: Optional[str] = None  # --slots-per-host as given (for --env)
-    timeline: Optional[str] = None  # --timeline FILE, absolute: MGPU_TIMELINE of every rank
 
 
 def get_parser() -> argparse.ArgumentParser:
@@ -207,113 +179,14 @@ def parse_args(argv: Sequence[str]) -> Config:
                   timeline=os.path.abspath(options.timeline) if options.timeline else None)
 
 
-def worker_command(config: Config) -> List[str]:
-    """What each rank runs: this launcher again, in worker mode, with the same program."""
-    command = [sys.executable, "-m", "mgpu_launcher"]
-    if not config.pin:
-        command.append("--no-pin")
-    if config.kind == "script":
-        command += ["--", config.target]
-    else:
-        command += ["-m" if config.kind == "module" else "-c", config.target]
-    return command + list(config.args)
-
-
-def job_environment(config: Config) -> Tuple[dict, List[str]]:
-    """The environment mpirun starts with, and the variable names it must forward."""
-    env = dict(os.environ)
-    if config.max_restarts > 0:
-        # Rank 0 prints worker.PROGRESS_MARKER after its first step (a failure after it is
-        # worth a restart), and every rank knows which restart it is (0: the first run).
-        env.update(MGPU_PROGRESS_MARKER="1", MGPU_RESTART_COUNT="0")
-    names = []
-    for item in config.forward:
-        name, has_value, value = item.partition("=")
-        if has_value:
-            env[name] = value
-        names.append(name)
-    names += [name for name in env if name in FORWARDED_VARIABLES
-              or name.startswith(FORWARDED_PREFIXES)]
-    return env, sorted(set(names))
-
-
-def build_job(config: Config) -> Tuple[List[str], mpirun.Flavour, dict]:
-    """The mpirun command, its flavour and its environment, for a standalone run."""
-    path = mpirun.find_mpirun(config.mpirun)
-    flavour = mpirun.detect_flavour(path)
-    env, names = job_environment(config)
-    if config.placement:  # mpirun sees only the hosts placed here (Open MPI 4 read it too)
-        env.pop(hostfiles.HOSTFILE_VARIABLE, None)
-    if mpirun.one_host(config.hosts, config.hostfile, config.mpirun_args, env):
-        for name, value in flavour.one_host_env:  # the user's own setting wins
-            env.setdefault(name, value)
-    local = not (config.hosts or config.hostfile)
-    command = mpirun.build_command(
-        path, flavour, config.np, worker_command(config), hosts=config.hosts,
-        hostfile=config.hostfile, forward=names, as_root=os.geteuid() == 0,
-        oversubscribe=local and config.np > (os.cpu_count() or 1), extra=config.mpirun_args)
-    return command, flavour, env
-
-
 def run(config: Config) -> int:
-    """Carry out a parsed command line; returns the exit status."""
+    """Carry out a parsed command line: ``--env``'s report, or :func:`mgpu_launcher.api.launch`;
+    returns the exit status."""
     if config.env_report:
         from mgpu_launcher import envreport
         print(envreport.report(config.hostfile, config.slots_per_host))
         return 0
-    if config.timeline:  # forwarded to the ranks with every MGPU_* variable
-        os.environ["MGPU_TIMELINE"] = config.timeline
-    if config.np is None:  # warns about unknown settings on rank 0
-        return worker.run(config.kind, config.target, config.args, pin=config.pin)
-    settings.warn_unknown(emit=lambda text: print(f"{PROG}: warning: {text}", file=sys.stderr))
-    if config.elastic_options is not None:
-        return elastic.run_job(
-            config.elastic_options,
-            lambda np, hosts: build_job(dataclasses.replace(
-                config, np=np, hosts=hosts, forward=config.forward + ("MGPU_ELASTIC=1",))),
-            all_ranks=config.all_ranks_output, output_dir=config.output_dir,
-            merge_window=config.merge_window, max_restarts=config.max_restarts,
-            dry_run=config.dry_run)
-    command, flavour, env = build_job(config)
-    if config.placement and not config.dry_run:
-        print(f"{PROG}: hosts: {config.placement.describe()}", file=sys.stderr, flush=True)
-    if config.dry_run:
-        print(shlex.join(command))
-        return 0
-    return run_with_restarts(config, command, flavour, env)
-
-
-def run_with_restarts(config: Config, command: List[str], flavour: mpirun.Flavour,
-                      env: dict) -> int:
-    """Run the job; after a failure start it again, up to ``config.max_restarts`` times.
-
-    Every attempt is torn down completely first (the supervisor waits until no process of it
-    is left). Not restarted: success, mgpu-train itself stopped by a signal, and a failure
-    before any rank finished a training step (a SyntaxError, an ImportError, a wrong path:
-    the same error would come back every time). Returns the last attempt's exit status.
-    """
-    attempts = config.max_restarts + 1
-    for attempt in range(1, attempts + 1):
-        env["MGPU_RESTART_COUNT"] = str(attempt - 1)
-        outcome = supervisor.supervise(
-            command, flavour, all_ranks=config.all_ranks_output, output_dir=config.output_dir,
-            env=env, attempt=(attempt, attempts) if attempts > 1 else None, size=config.np,
-            merge_window=config.merge_window)
-        if outcome.status == 0 or outcome.stopped_by is not None or attempt == attempts:
-            return outcome.status
-        if not outcome.progressed:
-            print(f"{PROG}: not restarting: attempt {attempt} failed before its first training "
-                  f"step was done (e.g. a SyntaxError, an ImportError or a bad argument), so "
-                  f"every restart would fail the same way. Fix the error above and run again.",
-                  file=sys.stderr, flush=True)
-            return outcome.status
-        cause = outcome.cause
-        why = (f"the job stalled: {cause.reason}" if cause and cause.stall else
-               f"rank {cause.rank}: {cause.reason}" if cause else f"exit status {outcome.status}")
-        print(f"{PROG}: restarting ({attempt} of {config.max_restarts} restarts used): "
-              f"attempt {attempt} failed ({why}); every process of it is gone.",
-              file=sys.stderr, flush=True)
-    return outcome.status
+    return api.launch(config)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -18,23 +18,19 @@ the host is used again if discovery still lists it.
 
 import dataclasses
 import os
-import re
 import selectors
 import signal
 import subprocess
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from mgpu_launcher import hostlists
+
 #: seconds the script may run before it counts as failed
 SCRIPT_TIMEOUT_S = 30.0
 #: the most the script may print on stdout, in bytes and in lines (a host list is far less)
 MAX_OUTPUT_BYTES = 1 << 20
 MAX_LINES = 65536
-_LINE = re.compile(r"^([^:\s]+)(?::(\d+))?$")
-# RFC 1123 host names (and the '_' some clusters' node names hold): dot-separated labels.
-_LABEL = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_\-]{0,61}[A-Za-z0-9_])?$")
-_HOST_NAME = ("a host name: letters, digits, '-' and '_' in dot-separated labels of 1 to 63 "
-              "characters, none starting or ending with '-'")
 _MAX_BACKOFF = 16
 
 
@@ -73,19 +69,16 @@ def parse(text: str, source: str = "the discovery script", bare_slots: int = 1) 
     """
     slots: Dict[str, int] = {}
     problems = []
-    for number, raw in enumerate(text.splitlines(), 1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        match = _LINE.match(line)
-        if match is None:
-            problems.append(f"{source}, line {number}: {line[:80]!r} skipped: expected "
+    for line in hostlists.lines(text, "discovery"):
+        number, host = line.number, line.host
+        if host is None:
+            problems.append(f"{source}, line {number}: {line.text[:80]!r} skipped: expected "
                             f"HOST:SLOTS, e.g. node1:4")
             continue
-        host, count = match.group(1), int(match.group(2) or bare_slots)
-        if not is_host_name(host):
+        count = bare_slots if line.slots is None else line.slots
+        if not line.is_host_name:
             problems.append(f"{source}, line {number}: {host[:80]!r} skipped: expected "
-                            f"{_HOST_NAME}")
+                            f"{hostlists.HOST_NAME}")
             continue
         if host in slots:
             problems.append(f"{source}, line {number}: {host} listed again; its first line "
@@ -93,11 +86,6 @@ def parse(text: str, source: str = "the discovery script", bare_slots: int = 1) 
         elif count > 0:
             slots[host] = count
     return Hosts(tuple(slots.items()), tuple(problems))
-
-
-def is_host_name(host: str) -> bool:
-    """Whether `host` is a host name (never an option: no leading '-')."""
-    return len(host) <= 253 and all(_LABEL.match(label) for label in host.split("."))
 
 
 def discover(script: str, timeout: float = SCRIPT_TIMEOUT_S, bare_slots: int = 1) -> Hosts:

@@ -37,7 +37,7 @@ import threading
 import time
 from typing import Callable, Optional, Set
 
-from mgpu_launcher import discovery, elastic_failures, settings, supervisor
+from mgpu_launcher import discovery, elastic_failures, restarts, settings, supervisor
 from mgpu_launcher.elastic_failures import say
 from mgpu_launcher.worker import ELASTIC_VARIABLE, RESIZE_SIGNAL
 
@@ -237,7 +237,7 @@ def run(options: Options, start: Callable, max_restarts: int = DEFAULT_MAX_RESTA
     Args:
         options: the validated elastic options.
         start: ``start(np, hosts_arg, attempt, on_start) -> supervisor.Outcome`` runs one
-            attempt of the job on ``-H hosts_arg`` (mgpu_launcher.cli builds it).
+            attempt of the job on ``-H hosts_arg`` (mgpu_launcher.api builds it).
         max_restarts: restarts after failures allowed (resizes asked by mgpu-train are not
             counted; at most :data:`MAX_RESIZES` of them). Two failed attempts in a row with
             the same error and the same last backup point end the loop early (see
@@ -281,9 +281,10 @@ def run(options: Options, start: Callable, max_restarts: int = DEFAULT_MAX_RESTA
         lost = discovery.hosts_named(outcome.lost_hosts, hosts_arg)
         why = (elastic_failures.lost(lost, blacklist) if lost
                else elastic_failures.failed(outcome, hosts_arg, blacklist))
-        if not outcome.progressed and not elastic_failures.killed(outcome) and not lost:
-            say(f"not restarting: the job failed before its first training step was done "
-                f"({why}), so every restart would fail the same way. Fix the error above.")
+        refusal = restarts.not_restarting(outcome, attempt + 1, why,
+                                          excused=elastic_failures.killed(outcome) or bool(lost))
+        if refusal:
+            say(refusal)
             return status
         failures += 1
         seen = elastic_failures.repeated(outcome, point)
@@ -336,10 +337,8 @@ def run_job(options: Options, build: Callable, *, all_ranks: bool, output_dir: O
     """
     def start(np: int, hosts_arg: str, attempt: int, on_start):
         command, flavour, env = build(np, hosts_arg)
-        # MGPU_ELASTIC=1 and MGPU_PROGRESS_MARKER=1 are forwarded by `build` (-x); these are
-        # the values for this attempt.
-        env.update({ELASTIC_VARIABLE: "1", "MGPU_PROGRESS_MARKER": "1",
-                    "MGPU_RESTART_COUNT": str(attempt)})
+        # MGPU_ELASTIC=1 is forwarded by `build` (-x); these are the values for this attempt.
+        restarts.attempt_environment(env, attempt)[ELASTIC_VARIABLE] = "1"
         return supervisor.supervise(command, flavour, all_ranks=all_ranks,
                                     output_dir=output_dir, env=env, size=np,
                                     merge_window=merge_window, on_start=on_start)

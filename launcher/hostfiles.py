@@ -19,17 +19,16 @@ still) gets the slots per host, from the first of:
    give each bare host as many slots as it has cores and put every rank on the first host).
 
 A hostfile with a bare name reaches mpirun as ``-H HOST:N,...``; one with ``slots=`` on every
-line as ``--hostfile FILE``, unchanged. Host names are checked (mgpu_launcher.discovery) so that
+line as ``--hostfile FILE``, unchanged. Host names are checked (mgpu_launcher.hostlists) so that
 nothing read from the file reaches mpirun as an option.
 """
 
 import dataclasses
 import os
-import re
 import shlex
 from typing import List, Mapping, Optional, Tuple
 
-from mgpu_launcher import discovery, mpirun, settings
+from mgpu_launcher import hostlists, mpirun, settings
 
 #: set by the MPI Operator (and read by Open MPI 4's mpirun) to the job's hostfile
 HOSTFILE_VARIABLE = "OMPI_MCA_orte_default_hostfile"
@@ -37,8 +36,6 @@ HOSTFILE_VARIABLE = "OMPI_MCA_orte_default_hostfile"
 DEFAULT_SLOTS_VARIABLE = "OMPI_MCA_orte_set_default_slots"
 #: the most a hostfile may hold: a host list is far less
 MAX_BYTES = 1 << 20
-_LINE = re.compile(r"^(\S+)((?:\s+(?:slots|max_slots|max-slots)\s*=\s*\d+)*)\s*$")
-_SLOTS = re.compile(r"(?:^|\s)slots\s*=\s*(\d+)")
 
 
 class HostfileError(ValueError):
@@ -89,17 +86,12 @@ def parse(text: str, source: str) -> List[Tuple[str, Optional[int]]]:
         HostfileError: a line does not parse or names no host name, or no line names a host.
     """
     entries = []
-    for number, raw in enumerate(text.splitlines(), 1):
-        line = raw.split("#", 1)[0].strip()
-        if not line:
-            continue
-        match = _LINE.match(line)
-        if match is None or not discovery.is_host_name(match.group(1)):
-            raise HostfileError(f"{source}:{number}: {line[:80]!r} does not parse; "
+    for line in hostlists.lines(text, "hostfile"):
+        if line.host is None or not line.is_host_name:
+            raise HostfileError(f"{source}:{line.number}: {line.text[:80]!r} does not parse; "
                                 f"expected 'HOST [slots=N]' per line, HOST a host name, e.g. "
                                 f"'node1 slots=4'")
-        slots = _SLOTS.search(match.group(2))
-        entries.append((match.group(1), int(slots.group(1)) if slots else None))
+        entries.append((line.host, line.slots))
     if not entries:
         raise HostfileError(f"{source} names no host; expected lines like 'node1 slots=4'")
     return entries

@@ -8,43 +8,24 @@ Start the script with ``mgpu-train -np 4 train.py`` (or ``mpirun -np 4 mgpu-trai
 """
 
 from mgpu_launcher import __version__
-from mgpu_launch.runtime import (NotInitializedError, cross_rank, cross_size, init, is_chief,
-                                 is_initialized, local_rank, local_size, rank, shutdown, size)
+from mgpu_launch.runtime import (NotInitializedError, cross_rank, cross_size, is_chief,
+                                 is_initialized, local_rank, local_size, rank, size)
 from mgpu_launch.runtime.collectives import (Average, Max, Min, MismatchError, ReduceOp, Sum,
                                              allgather, allgather_object, allreduce, barrier,
                                              broadcast, broadcast_object)
 from mgpu_launch.runtime.process_sets import (NotInProcessSetError, ProcessSet,
                                               add_process_set, global_process_set,
                                               remove_process_set)
-
-# Importing the engine package (no framework yet) adds its set-up to init() and shutdown().
-from mgpu_launch import engines as _engines  # noqa: E402,F401  isort: skip
-from mgpu_launch import runtime as _runtime  # noqa: E402  isort: skip
-
-
-def _synchronize_batch_norm(state) -> None:
-    """init() hook, after the engine's: BatchNormalization(synchronized=True) synchronizes
-    (mgpu_launch.layers). On one process only if Keras is loaded already: importing it here
-    would slow down every script that uses only the host collectives."""
-    import sys
-
-    from mgpu_launcher import settings
-    if settings.choice("MGPU_ENGINE") != "none" and (
-            state.size > 1 or "keras" in sys.modules):
-        from mgpu_launch.training import patches
-        patches.install_synchronized_batch_norm()
-        if state.size > 1 and _engines.get_engine().name == "torch":
-            patches.install_torch_process_group_guards()
-
-
-_runtime.add_hooks(start=_synchronize_batch_norm, stop=lambda: None)
+# init() joins the runtime, sets up the backend's engine and installs the Keras patches, in
+# that order, in plain code (no framework imported until then)
+from mgpu_launch.training.bootstrap import init, shutdown
 
 # The Keras-facing parts import keras (and with it the backend); load them on first use so
 # that `import mgpu_launch` and the host collectives stay light.
 _LAZY = {
     "DistributedOptimizer": "mgpu_launch.training.optimizer",
     "scale_lr": "mgpu_launch.training.optimizer", "load_model": "mgpu_launch.training.saving",
-    "Compression": "mgpu_launch.runtime.compression",
+    "Compression": "mgpu_launch.engines.compression",
     "callbacks": "mgpu_launch.callbacks", "data": "mgpu_launch.data",
     "layers": "mgpu_launch.layers",
     "run": "mgpu_launch.runtime.launch", "RemoteError": "mgpu_launch.runtime.launch",

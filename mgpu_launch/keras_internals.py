@@ -9,7 +9,7 @@ mgpu_launch needs it. An accessor checks that the internal is still there and ra
 Keras release renamed it: instead of an ``AttributeError`` deep inside a train step, or a
 setter that silently creates an attribute the new Keras never reads.
 
-Only this module and ``keras_patches`` (with its private ``_patches_*`` modules, which replace
+Only this module and ``mgpu_launch.training.patches`` (the package whose modules replace
 Keras methods) import ``keras.src`` or touch private attributes of Keras objects;
 ``tests/test_architecture.py`` fails on any other. Imports no framework at module level and
 nothing of mgpu_launch: the engines use it too.
@@ -80,7 +80,7 @@ def _module(name: str, why: str):
 
 def _function(module, name: str, why: str):
     """`module`'s `name` (`module`: a name, or a tuple of where Keras releases keep it)."""
-    # looked up at every call: a patch (keras_patches) may rebind it in its module
+    # looked up at every call: a patch (mgpu_launch.training.patches) may rebind it in its module
     if isinstance(module, tuple):
         module = _first_importable(module, why)
     return _get(_module(module, why), name, why)
@@ -295,5 +295,5 @@ def to_torch_dtype(dtype):
 
 def torch_convert_to_tensor(value):
     """The tensor Keras's torch backend makes of `value` (looked up at every call: with CUDA
-    graphs on, keras_patches replaces it)."""
+    graphs on, mgpu_launch.training.patches replaces it)."""
     return _function(_TORCH, "convert_to_tensor", "a batch as the tensor Keras makes")(value)

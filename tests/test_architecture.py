@@ -7,6 +7,9 @@ docs/architecture.md explains it):
     mgpu_launcher  <-  runtime/  <-  keras_internals  <-  engines/  <-  training/  <-  horovod/
     <-  the public paths (mgpu_launch/*.py, thin re-exports)  <-  bench/
 
+Also: framework imports only in engines/ and bench/ (none, and no Keras, in runtime/ or the
+launcher), a backend named only where it is chosen or where Keras differs per backend.
+
 Every import counts, also one inside a function (a lazy import is still a dependency: the
 module cannot be read, tested or replaced without the one it imports). Read with ``ast``, so
 nothing is imported and no framework is needed.
@@ -175,20 +178,47 @@ def test_the_layer_check_fails_on_a_planted_upward_import():
 FLOORS = ("__init__.py", "keras_internals.py")
 
 
+#: what mgpu_launch/__init__.py may hold besides imports: its lazy re-exports (the Keras-facing
+#: names load on first use, so that `import mgpu_launch` imports no framework) and __all__
+LAZY_EXPORTS = ("_LAZY", "__all__", "__getattr__")
+
+
+def thin_offences(path) -> List[str]:
+    """What in public path `path` is more than a re-export."""
+    heavy = []
+    for node in ast.parse(path.read_text()).body:
+        plain = isinstance(node, (ast.Import, ast.ImportFrom)) or (
+            isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
+        if path.name == "__init__.py":
+            names = ([t.id for t in node.targets if isinstance(t, ast.Name)]
+                     if isinstance(node, ast.Assign) else
+                     [node.name] if isinstance(node, ast.FunctionDef) else [None])
+            plain = plain or all(name in LAZY_EXPORTS for name in names)
+        if not plain:
+            heavy.append(f"{path.name} line {node.lineno}: {ast.unparse(node)[:60]}")
+    return heavy
+
+
 def test_the_public_paths_are_thin():
     # mgpu_launch/<name>.py exists only so that a name users import stays put: a docstring,
-    # imports and __all__, nothing that needs reading to learn how mgpu works
+    # imports and __all__, nothing that needs reading to learn how mgpu works; the package's
+    # __init__.py also holds no code but its lazy re-exports (init() is composed in
+    # training/bootstrap.py, not by hooks registered here at import)
     heavy = []
     for path in sorted((ROOT / "mgpu_launch").glob("*.py")):
-        if path.name in FLOORS:
+        if path.name in FLOORS and path.name != "__init__.py":
             continue
-        for node in ast.parse(path.read_text()).body:
-            plain = isinstance(node, (ast.Import, ast.ImportFrom)) or (
-                isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
-            if not plain:
-                heavy.append(f"{path.name} line {node.lineno}: {ast.unparse(node)[:60]}")
+        heavy += thin_offences(path)
     assert not heavy, "public paths must only re-export (move the code into a layer):\n" + (
         "\n".join(heavy))
+
+
+def test_the_thin_check_fails_on_a_planted_hook(tmp_path):
+    planted = tmp_path / "__init__.py"
+    planted.write_text("from mgpu_launch import runtime\n_LAZY = {}\n\n\ndef _hook(state):\n"
+                       "    pass\n\n\nruntime.add_hooks(start=_hook, stop=None)\n")
+    assert [o.split(": ")[0] for o in thin_offences(planted)] == [
+        "__init__.py line 5", "__init__.py line 9"]
 
 
 def test_the_launcher_imports_nothing_of_the_library():
@@ -403,3 +433,204 @@ def flag(optimizer):
     optimizer._mgpu_device_learning_rate = True
 '''
     assert boundary_offences({"mgpu_launch.sample": source}) == []
+
+
+# -- framework imports: only in engines/ and bench/, never in runtime/ or the launcher ----------
+#: the deep-learning frameworks (Keras is checked for the runtime and the launcher alone)
+FRAMEWORKS = ("tensorflow", "jax", "jaxlib", "torch")
+#: the packages that may import a framework
+FRAMEWORK_HOMES = ("mgpu_launch.engines", "mgpu_launch.bench")
+#: the lazy exceptions docs/architecture.md names: (module, framework)
+FRAMEWORK_EXCEPTIONS = {("mgpu_launch.training.data", "tensorflow"),
+                        ("mgpu_launch.training.patches.fit", "torch")}
+#: the layers that import no Keras either ("runtime/: no Keras, no framework")
+KERAS_FREE = ("mgpu_launcher", "mgpu_launch.runtime")
+
+
+def imported_tops(source: str) -> Set[str]:
+    """The top-level package of every absolute import in `source`, lazy ones included."""
+    tops = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            tops.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            tops.add(node.module.split(".")[0])
+    return tops
+
+
+def _within(name: str, packages) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def framework_offences(sources: Dict[str, str]) -> List[str]:
+    offences = []
+    for name, source in sorted(sources.items()):
+        tops = imported_tops(source)
+        for framework in sorted(tops & set(FRAMEWORKS)):
+            if not _within(name, FRAMEWORK_HOMES) and (name, framework) not in FRAMEWORK_EXCEPTIONS:
+                offences.append(f"{name} imports {framework}")
+        if "keras" in tops and _within(name, KERAS_FREE):
+            offences.append(f"{name} imports keras")
+    return offences
+
+
+def test_frameworks_are_imported_only_by_the_engines():
+    sources = dict(_sources("mgpu_launch"), **_sources("mgpu_launcher"))
+    offences = framework_offences(sources)
+    assert not offences, ("a framework import outside engines/ and bench/ (casting, collectives "
+                          "and devices are engine work: add an Engine method):\n"
+                          + "\n".join(offences))
+
+
+def test_the_framework_check_fails_on_planted_imports():
+    lazy = "def cast(x):\n    import keras\n    from jax import numpy\n    return x\n"
+    sources = {"mgpu_launch.runtime.planted": lazy,
+               "mgpu_launch.training.planted": "import torch.distributed\n",
+               "mgpu_launch.engines.planted": "import torch\nimport keras\n",
+               "mgpu_launch.training.data": "import tensorflow as tf\n"}
+    assert framework_offences(sources) == [
+        "mgpu_launch.runtime.planted imports jax", "mgpu_launch.runtime.planted imports keras",
+        "mgpu_launch.training.planted imports torch"]
+
+
+# -- backend names: only where the backend is chosen or Keras differs per backend -------------
+BACKENDS = ("tensorflow", "jax", "torch")
+#: the modules that may name a backend, each with why
+NAMES_BACKENDS = {
+    "mgpu_launch.engines": "the engines: one per backend, chosen in engines/__init__.py",
+    "mgpu_launch.bench": "mgpu-bench: its native baselines are per framework",
+    "mgpu_launch.training.patches": "which Keras classes to patch differs per backend",
+    "mgpu_launch.horovod.tensorflow_api": "Horovod's TensorFlow namespace needs that backend",
+}
+
+
+def backend_names(source: str) -> List[str]:
+    """Where `source` compares with a backend's name or keys a table by one."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            constants = [node.left] + list(node.comparators)
+        elif isinstance(node, ast.Dict):
+            constants = [key for key in node.keys if key is not None]
+        else:
+            continue
+        for constant in constants:
+            if isinstance(constant, ast.Constant) and constant.value in BACKENDS:
+                found.append(f"line {node.lineno}: {constant.value!r}")
+    return found
+
+
+def backend_offences(sources: Dict[str, str]) -> List[str]:
+    return [f"{name} {found}" for name, source in sorted(sources.items())
+            if not _within(name, NAMES_BACKENDS) for found in backend_names(source)]
+
+
+def test_only_the_engines_and_the_patches_name_a_backend():
+    offences = backend_offences(_sources("mgpu_launch"))
+    assert not offences, ("a backend named outside the engines (ask the engine instead, or "
+                          "key the patch registry by engine name):\n" + "\n".join(offences))
+
+
+def test_the_backend_check_fails_on_a_planted_name():
+    source = 'import keras\nif keras.backend.backend() == "torch":\n    TABLE = {"jax": 1}\n'
+    assert backend_offences({"mgpu_launch.training.planted": source,
+                             "mgpu_launch.engines.planted": source}) == [
+        "mgpu_launch.training.planted line 2: 'torch'",
+        "mgpu_launch.training.planted line 3: 'jax'"]
+
+
+# -- the engine interface: every engine method called outside engines/ is declared -------------
+#: the calls that give an engine (engines/__init__.py's dispatcher, and helpers named _engine)
+ENGINE_GETTERS = ("get_engine", "get_engine_or_default", "graph_collectives", "_engine")
+
+
+def declared_engine_methods() -> Set[str]:
+    """Every method and attribute the interfaces of engines/api.py declare."""
+    tree = ast.parse((ROOT / "mgpu_launch" / "engines" / "api.py").read_text())
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AnnAssign)):
+                    names.add(item.name if isinstance(item, ast.FunctionDef)
+                              else item.target.id)
+    return names
+
+
+def _gives_engine(node: ast.AST) -> bool:
+    if not isinstance(node, ast.Call):
+        return False
+    function = node.func
+    name = function.attr if isinstance(function, ast.Attribute) else getattr(function, "id", "")
+    return name in ENGINE_GETTERS
+
+
+def engine_calls(source: str) -> List[tuple]:
+    """(line, attribute) of every attribute read on an engine: on a getter's result directly
+    (``engines.get_engine().watch``) or on a name bound to one (``engine = get_engine()``)."""
+    tree = ast.parse(source)
+    bound = {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+             and _gives_engine(node.value) for target in node.targets
+             if isinstance(target, ast.Name)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and (
+                _gives_engine(node.value)
+                or (isinstance(node.value, ast.Name) and node.value.id in bound)):
+            found.append((node.lineno, node.attr))
+    return found
+
+
+def undeclared_engine_calls(sources: Dict[str, str]) -> List[str]:
+    declared = declared_engine_methods()
+    return [f"{name} line {line}: engine.{attribute}" for name, source in sorted(sources.items())
+            if not name.startswith("mgpu_launch.engines")
+            for line, attribute in engine_calls(source) if attribute not in declared]
+
+
+def test_every_engine_method_called_is_declared_by_an_interface():
+    assert {"reduce_gradients", "compiles_collectives", "name"} <= declared_engine_methods()
+    offences = undeclared_engine_calls(_sources("mgpu_launch"))
+    assert not offences, ("an engine method called outside engines/ that no interface in "
+                          "engines/api.py declares (declare it there, on the concern it "
+                          "belongs to):\n" + "\n".join(offences))
+
+
+def test_the_interface_check_fails_on_a_planted_call():
+    source = ('from mgpu_launch import engines\n'
+              'engine = engines.get_engine()\n'
+              'engine.reduce_gradients([], [], None)\n'
+              'engine.collective_reduce(x)\n'
+              'engines.graph_collectives("x").ring_allgather(y)\n')
+    assert undeclared_engine_calls({"mgpu_launch.training.planted": source}) == [
+        "mgpu_launch.training.planted line 4: engine.collective_reduce",
+        "mgpu_launch.training.planted line 5: engine.ring_allgather"]
+
+
+def _interfaces_in_api() -> List[str]:
+    tree = ast.parse((ROOT / "mgpu_launch" / "engines" / "api.py").read_text())
+    return [node.name for node in tree.body if isinstance(node, ast.ClassDef)]
+
+
+def _bases_by_class() -> Dict[str, Set[str]]:
+    """Every class of engines/ -> the names of its bases (api.X read as X)."""
+    found = {}
+    for path in (ROOT / "mgpu_launch" / "engines").glob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                found[node.name] = {ast.unparse(b).rpartition(".")[2] for b in node.bases}
+    return found
+
+
+def test_docs_draw_every_engine_interface_and_who_implements_it():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text.split("## The engine interfaces", 1)[1].split("```", 2)[1]
+    drawn = {line.split()[0]: line for line in block.strip().splitlines()}
+    assert list(drawn) == _interfaces_in_api()
+    bases = _bases_by_class()
+    # Engine implements every interface but GraphCollectives; TensorFlowEngine adds that one
+    assert bases["Engine"] == set(_interfaces_in_api()) - {"GraphCollectives"}
+    adding = sorted(name for name, of in bases.items() if "GraphCollectives" in of)
+    assert adding == ["TensorFlowEngine"] and drawn["GraphCollectives"].endswith(
+        "TensorFlowEngine only")
+    assert all("Engine;" in line for name, line in drawn.items() if name != "GraphCollectives")

@@ -74,3 +74,90 @@ def test_resolve_fails_on_a_path_that_does_not_exist():
         resolve("mgpu_launch.keras_patches.install")
     with pytest.raises(AttributeError):
         resolve("mgpu_launch.keras.NoSuchName")
+
+
+# -- module names in the code's own words: docstrings, comments, messages -----------------------
+import io  # noqa: E402
+import tokenize  # noqa: E402
+
+#: the source folders and the package each installs as
+PACKAGES = {"mgpu_launch": "mgpu_launch", "launcher": "mgpu_launcher"}
+#: modules that existed once and exist nowhere now (the flat modules the layer packages
+#: replaced): a docstring that names one sends the reader to nothing
+RETIRED = ("keras_patches", "_patches_training", "_patches_layers", "_horovod",
+           "_keras_callbacks", "_auth", "lagged_logs")
+#: a dotted name of the project, e.g. mgpu_launch.runtime.folders.private_folder
+PROJECT_DOTTED = re.compile(r"(?<![\w/.])(?:mgpu_launch|mgpu_launcher)(?:\.[A-Za-z_]\w*)+")
+_RETIRED_WORD = re.compile(r"(?<![\w.])(" + "|".join(RETIRED) + r")(?![\w])")
+
+
+def _module_files():
+    """dotted module name -> its file, for both packages."""
+    found = {}
+    for folder, package in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join([package] + parts)] = path
+    return found
+
+
+MODULE_FILES = _module_files()
+
+
+def dotted_exists(dotted: str) -> bool:
+    """Whether a project name resolves (imported: a public name may be lazy or re-exported)."""
+    try:
+        resolve(dotted)
+    except (ImportError, AttributeError):
+        return False
+    return True
+
+
+def words(path) -> list:
+    """(line, text) of every comment and string literal in `path` (docstrings included)."""
+    found = []
+    for token in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+        if token.type in (tokenize.COMMENT, tokenize.STRING):
+            found.append((token.start[0], token.string))
+    return found
+
+
+def stale_names(path) -> list:
+    """What the comments and strings of `path` name that does not exist: a retired module, a
+    project dotted name that does not resolve, a source path that is not there."""
+    offences = []
+    for line, text in words(path):
+        for match in _RETIRED_WORD.findall(text):
+            offences.append(f"line {line}: {match} (a module that no longer exists)")
+        for dotted in PROJECT_DOTTED.findall(text):
+            if not dotted_exists(dotted.rstrip(".")):
+                offences.append(f"line {line}: {dotted}")
+        for source in SOURCE_PATH.findall(text):
+            folder, _, rest = source.partition("/")
+            if not (ROOT / folder / rest).exists():
+                offences.append(f"line {line}: {source}")
+    return offences
+
+
+def test_every_module_the_code_names_exists():
+    pytest.importorskip("keras")
+    assert not [name for name in RETIRED if any(
+        module.rpartition(".")[2] == name for module in MODULE_FILES)], "RETIRED lists a module"
+    offences = [f"{path.relative_to(ROOT)} {offence}" for path in MODULE_FILES.values()
+                for offence in stale_names(path)]
+    assert not offences, ("docstrings, comments or messages name what does not exist (name "
+                          "the module where it lives now):\n" + "\n".join(offences))
+
+
+def test_the_stale_name_check_finds_planted_names(tmp_path):
+    pytest.importorskip("keras")
+    planted = tmp_path / "planted.py"
+    planted.write_text('"""Moved here from keras_patches (see mgpu_launch.runtime.nothing and\n'
+                       'mgpu_launch/runtime/gone.py); mgpu_launch.runtime.folders is fine."""\n'
+                       '# mgpu_launcher.settings.flag and mgpu_launcher.cli.nope\n')
+    found = stale_names(planted)
+    assert [o.split(": ", 1)[1] for o in found] == [
+        "keras_patches (a module that no longer exists)", "mgpu_launch.runtime.nothing",
+        "mgpu_launch/runtime/gone.py", "mgpu_launcher.cli.nope"], found

@@ -1,8 +1,10 @@
 """One engine per Keras backend: the collectives that run inside the compiled train step.
 
 The rest of mgpu_launch (optimizer, callbacks) is backend-agnostic Keras code; everything that
-needs the backend's own collective machinery is an :class:`Engine` method. The engine is chosen
-once, from ``keras.backend.backend()``, by :func:`get_engine`; framework imports live only in
+needs the backend's own collective machinery is an :class:`Engine` method. What an engine is
+(one small interface per concern) is declared in ``engines/api.py``; :class:`Engine` here
+implements those interfaces with defaults, and the dispatcher picks the backend's subclass
+once, from ``keras.backend.backend()``, by :func:`get_engine`. Framework imports live only in
 ``engines/<backend>.py``. Adding a backend means adding a module and a line to ``ENGINES``.
 """
 
@@ -10,6 +12,8 @@ import importlib
 from typing import Any, Dict, List, Optional, Sequence
 
 from mgpu_launch import runtime
+from mgpu_launch.engines import api
+from mgpu_launch.engines.reduction import GradientReduction
 from mgpu_launcher import settings
 
 #: backend name -> "module:Class"
@@ -24,8 +28,11 @@ class UnknownBackend(ValueError):
     """The Keras backend has no engine (the message lists the supported ones)."""
 
 
-class Engine:
-    """What every backend provides. Methods are called on every rank, in the same order.
+class Engine(api.Lifecycle, api.Feeding, api.TrainStep, api.GradientReducer,
+             api.ProcessSetSupport, api.InStepCollectives, api.ReductionTiming,
+             api.HorovodQueries):
+    """What every backend provides (every interface of ``engines/api.py`` but
+    ``GraphCollectives``), with defaults. Methods are called on every rank, in the same order.
 
     ``broadcast_variables`` has a working host default (MPI on numpy copies); a backend
     overrides it when it has a better path.
@@ -88,7 +95,7 @@ class Engine:
             average: divide the sum by the number of ranks.
             prescale: multiply each tensor by this before the sum (Horovod's predivide).
             postscale: multiply each result by this after the sum (and the average).
-            compression: a ``mgpu_launch.runtime.compression`` codec for the wire, or None.
+            compression: a ``mgpu_launch.engines.compression`` codec for the wire, or None.
             group: None (every rank) or a process set's ``runtime.process_sets.Group``
                 (only where :meth:`supports_process_sets`): its members reduce among
                 themselves, an average divides by its size.
@@ -151,36 +158,32 @@ class Engine:
         import numpy as np
         from keras import backend, ops
 
-        from mgpu_launch import runtime
-
         own_row = np.zeros((runtime.size(),) + (1,) * len(tensor.shape),
                            dtype=backend.standardize_dtype(tensor.dtype))
         own_row[runtime.rank()] = 1
         placed = ops.multiply(ops.expand_dims(tensor, 0), ops.convert_to_tensor(own_row))
         return self.sum_in_step([placed])[0]
 
-    def watch(self, variables, *, average: bool, prescale: float, postscale: float,
-              compression) -> None:
+    def watch(self, variables, options: GradientReduction) -> None:
         """Called at the optimizer's build: a backend may start reducing these variables'
         gradients during backward (torch). The default waits for ``reduce_gradients``."""
 
-    def reduce_gradients(self, grads, variables, *, average: bool, prescale: float = 1.0,
-                         postscale: float = 1.0, compression=None,
-                         sparse_as_dense: bool = False, group=None) -> List[Any]:
+    def reduce_gradients(self, grads, variables, options: GradientReduction,
+                         group=None) -> List[Any]:
         """The optimizer's reduction: missing gradients as zeros, sparse ones dense, then
-        :meth:`allreduce` (or what :meth:`watch` already started). A backend with sparse
-        gradients (TensorFlow) gathers them instead unless `sparse_as_dense`. `group`: as in
-        :meth:`allreduce`."""
+        :meth:`allreduce` with `options` (or what :meth:`watch` already started). A backend
+        with sparse gradients (TensorFlow) gathers them instead unless
+        ``options.sparse_as_dense``. `group`: as in :meth:`allreduce`."""
         from keras import ops
         self.check_group(group, "reduce_gradients")
         dense = [ops.zeros_like(v) if g is None else self.densify(g)
                  for g, v in zip(grads, variables)]
         within = {} if group is None else {"group": group}
-        return self.allreduce(dense, average=average, prescale=prescale, postscale=postscale,
-                              compression=compression, **within)
+        return self.allreduce(dense, **options.allreduce_options(), **within)
 
     # -- what the gradient reduction costs alone (the efficiency report) -----------------------
-    def time_gradient_reduction(self, variables, *, repeats: int = 5, **reduction) -> float:
+    def time_gradient_reduction(self, variables, options: GradientReduction, *,
+                                repeats: int = 5) -> float:
         """Seconds one reduction of `variables`' gradients takes alone, through the path the
         optimizer's step uses (this engine's transport, fusion and compression), on zeros.
 
@@ -193,8 +196,7 @@ class Engine:
         Args:
             variables: the trainable variables the optimizer reduces (its build's list).
             repeats: timed reductions (>= 1).
-            **reduction: the optimizer's options for :meth:`reduce_gradients` (average,
-                prescale, postscale, compression).
+            options: the optimizer's reduction (its ``options.reduction``).
 
         Returns:
             The median seconds of one reduction on this rank.
@@ -204,23 +206,20 @@ class Engine:
                 raised on every rank alike.
 
         Example:
-            >>> engine.time_gradient_reduction(model.trainable_variables, average=True)
+            >>> engine.time_gradient_reduction(model.trainable_variables, GradientReduction())
             0.0061
         """
         import statistics
         import time
 
-        from mgpu_launch.runtime import collectives
+        from mgpu_launch.runtime import agreement
 
         try:
-            once, failure = self.gradient_reduction_runner(list(variables), reduction), ""
+            once, failure = self.gradient_reduction_runner(list(variables), options), ""
         except Exception as error:  # told to every rank below, raised on each
             once, failure = None, f"{type(error).__name__}: {error}"
-        failures = collectives.allgather_object(failure)
-        for rank, failure in enumerate(failures):
-            if failure:
-                raise RuntimeError(f"rank {rank} could not prepare the gradient reduction's "
-                                   f"timing: {failure}")
+        agreement.raise_any_rank(failure, lambda rank, why: RuntimeError(
+            f"rank {rank} could not prepare the gradient reduction's timing: {why}"))
         once()  # warm-up: the first run of a collective sets up its connections
         times = []
         for _ in range(max(1, int(repeats))):
@@ -229,9 +228,9 @@ class Engine:
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    def gradient_reduction_runner(self, variables, reduction: dict):
+    def gradient_reduction_runner(self, variables, options: GradientReduction):
         """A function that runs one reduction of zero gradients for `variables` with the
-        optimizer's `reduction` options and returns once it has finished on this rank (for
+        optimizer's `options` and returns once it has finished on this rank (for
         :meth:`time_gradient_reduction`; local: it may trace and compile, but run nothing
         collective). The default: :meth:`reduce_gradients` as :meth:`compile_reduction`
         makes it, reading one value of the result."""
@@ -239,7 +238,7 @@ class Engine:
         zeros = [ops.zeros(tuple(v.shape), dtype=v.dtype) for v in variables]
 
         def reduce_all(values):
-            reduced = self.reduce_gradients(list(values), variables, **reduction)
+            reduced = self.reduce_gradients(list(values), variables, options)
             return reduced, ops.reshape(reduced[-1], (-1,))[:1]
         run = self.compile_reduction(reduce_all, zeros)
         return lambda: ops.convert_to_numpy(run(zeros)[1])
@@ -329,6 +328,24 @@ def get_engine(backend: Optional[str] = None) -> Engine:
     return _engine
 
 
+def graph_collectives(what: str) -> api.GraphCollectives:
+    """The backend's engine, as the in-graph collectives beyond the sum (TensorFlow's).
+
+    Args:
+        what: the caller, for the message.
+
+    Raises:
+        ValueError: the backend's engine has none; the message names the backend and the fix.
+    """
+    engine = get_engine()
+    if not isinstance(engine, api.GraphCollectives):
+        raise ValueError(f"{what} needs in-graph allgather / broadcast / reduce, which only the "
+                         f"TensorFlow engine has; the Keras backend is {engine.name!r}. Set "
+                         f"KERAS_BACKEND=tensorflow, or use the host collectives "
+                         f"(mgpu.allgather, mgpu.broadcast, mgpu.allreduce).")
+    return engine
+
+
 def get_engine_or_default(backend: Optional[str] = None) -> Engine:
     """The backend's engine, or the base Engine's defaults for a backend without one.
 
@@ -347,16 +364,3 @@ def reset() -> None:
     if _engine is not None:
         _engine.shutdown()
     _engine = None
-
-
-def _start(state) -> None:
-    """Runtime hook: on a multi-process job, set up the backend's engine at ``mgpu.init()``.
-
-    ``MGPU_ENGINE=none`` skips it (host collectives only, Keras never imported).
-    """
-    if state.size > 1 and settings.choice("MGPU_ENGINE") != "none":
-        get_engine().setup(state)
-
-
-# The runtime knows nothing of engines (it sits below them): they join its start and stop.
-runtime.add_hooks(start=_start, stop=reset)

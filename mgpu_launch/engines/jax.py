@@ -219,7 +219,7 @@ class JaxEngine(Engine):
                 result[i] = total[offset:offset + size].reshape(tensors[i].shape)
         return result
 
-    def gradient_reduction_runner(self, variables, reduction: dict):
+    def gradient_reduction_runner(self, variables, options: reduction.GradientReduction):
         """The reduction under shard_map and jit, as in the step (psum, the same fusion and
         compression), on replicated zeros; compiled here, each run waits for its result."""
         import jax
@@ -227,7 +227,7 @@ class JaxEngine(Engine):
         from jax.sharding import NamedSharding, PartitionSpec
 
         def reduce_all(values):
-            return self.reduce_gradients(list(values), variables, **reduction)
+            return self.reduce_gradients(list(values), variables, options)
         mapped = jax.shard_map(reduce_all, mesh=self.mesh, in_specs=(PartitionSpec(),),
                                out_specs=PartitionSpec(), check_vma=False)
         replicated = NamedSharding(self.mesh, PartitionSpec())

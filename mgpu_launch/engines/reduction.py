@@ -32,10 +32,46 @@ The engines therefore need the same tensor list on every rank (the optimizer's v
 their order), which is what the model's equal structure on every rank gives them.
 """
 
+import dataclasses
 import numbers
-from typing import List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
-__all__ = ["TensorSpec", "Bucket", "Scales", "plan", "scales", "scale_once"]
+__all__ = ["GradientReduction", "TensorSpec", "Bucket", "Scales", "plan", "scales",
+           "scale_once"]
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientReduction:
+    """How a list of gradients is combined across ranks: the one value the engines take
+    (``Engine.reduce_gradients``, ``watch``, ``time_gradient_reduction``).
+
+    A ``DistributedOptimizer`` makes it from its options
+    (``DistributedOptions.reduction``); ``DistributedGradientTape`` and Horovod's
+    ``grouped_allreduce`` make their own.
+
+    Attributes:
+        average: divide the sum by the number of ranks (``op=Average``), or keep the sum.
+        prescale: multiply each gradient by this before the sum (Horovod's predivide).
+        postscale: multiply each result by this after the sum (and the average).
+        compression: a ``mgpu_launch.engines.compression`` codec for the wire, or None.
+        sparse_as_dense: TensorFlow's sparse gradients summed as dense tensors (True) or
+            gathered (False).
+
+    Example:
+        >>> GradientReduction(average=True, prescale=0.5, postscale=2.0).allreduce_options()
+        {'average': True, 'prescale': 0.5, 'postscale': 2.0, 'compression': None}
+    """
+
+    average: bool = True
+    prescale: float = 1.0
+    postscale: float = 1.0
+    compression: Any = None
+    sparse_as_dense: bool = False
+
+    def allreduce_options(self) -> dict:
+        """The keywords of ``Engine.allreduce`` this reduction stands for."""
+        return {"average": self.average, "prescale": self.prescale,
+                "postscale": self.postscale, "compression": self.compression}
 
 
 class TensorSpec(NamedTuple):

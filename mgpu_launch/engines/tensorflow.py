@@ -47,13 +47,11 @@ from typing import Any, List, Sequence
 
 import numpy as np
 
-from mgpu_launch.engines import Engine, reduction, tensorflow_collectives, tensorflow_feeding
+from mgpu_launch.engines import (Engine, api, reduction, tensorflow_collectives,
+                                  tensorflow_feeding)
 from mgpu_launch.runtime.rendezvous import job_host_address, reserved_port
 from mgpu_launcher import settings
 
-TRANSPORTS = settings.SETTINGS["MGPU_TF_TRANSPORT"].choices  # ("collective", "mpi")
-#: MGPU_TF_COLLECTIVE -> CollectiveReduceV2's communication_hint ("auto" is resolved in setup)
-IMPLEMENTATIONS = settings.SETTINGS["MGPU_TF_COLLECTIVE"].choices  # ("auto", "nccl", "ring")
 _JOB = "worker"
 # Keys derived from a collective's signature live in [1, _FIXED_KEYS]; the counter for buffers
 # of unknown shape counts above it, so the two never meet.
@@ -90,7 +88,7 @@ def _reachable_host(state) -> str:
     return settings.text("MGPU_TF_HOST") or found
 
 
-class TensorFlowEngine(Engine):
+class TensorFlowEngine(Engine, api.GraphCollectives):
     name = "tensorflow"
 
     def __init__(self):
@@ -335,34 +333,31 @@ class TensorFlowEngine(Engine):
         "min", "max" or "product"."""
         return tensorflow_collectives.reduce(self, tensor, op, group)
 
-    def reduce_gradients(self, grads, variables, *, average: bool, prescale: float = 1.0,
-                         postscale: float = 1.0, compression=None,
-                         sparse_as_dense: bool = False, group=None) -> List[Any]:
+    def reduce_gradients(self, grads, variables, options: reduction.GradientReduction,
+                         group=None) -> List[Any]:
         """Dense gradients through :meth:`allreduce`; with ``sparse_as_dense=False``,
         IndexedSlices through an allgather of their slices, which keeps single-process
         semantics (docs/training-recipe.md, sparse gradients). A dense gradient whose static
         shape TensorFlow lost (an unknown batch size) takes its variable's."""
         import tensorflow as tf
-        grads = [g if g is None or (isinstance(g, tf.IndexedSlices) and not sparse_as_dense)
+        grads = [g if g is None or (isinstance(g, tf.IndexedSlices)
+                                    and not options.sparse_as_dense)
                  else _shaped_like(self.densify(g), v) for g, v in zip(grads, variables)]
-        sparse = [] if sparse_as_dense else [
+        sparse = [] if options.sparse_as_dense else [
             i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)]
         if not sparse:
-            return super().reduce_gradients(grads, variables, average=average, prescale=prescale,
-                                            postscale=postscale, compression=compression,
-                                            group=group)
+            return super().reduce_gradients(grads, variables, options, group=group)
         dense = [i for i in range(len(grads)) if i not in sparse]
         result = list(grads)
         reduced = super().reduce_gradients(
-            [grads[i] for i in dense], [variables[i] for i in dense], average=average,
-            prescale=prescale, postscale=postscale, compression=compression, group=group)
+            [grads[i] for i in dense], [variables[i] for i in dense], options, group=group)
         for i, value in zip(dense, reduced):
             result[i] = value
         size = tensorflow_collectives.members(self, group, "reduce_gradients").size
-        scale = reduction.scale_once(average, size, prescale, postscale)
+        scale = reduction.scale_once(options.average, size, options.prescale, options.postscale)
         for i in sparse:
             result[i] = tensorflow_collectives.reduce_sparse(self, grads[i], scale=scale,
-                                                             compression=compression,
+                                                             compression=options.compression,
                                                              group=group)
         return result
 

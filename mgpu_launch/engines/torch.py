@@ -201,8 +201,7 @@ class TorchEngine(Engine):
         return [piece.view_as(t) for piece, t in
                 zip(torch.split(total, [t.numel() for t in tensors]), tensors)]
 
-    def watch(self, variables, *, average: bool, prescale: float, postscale: float,
-              compression) -> None:
+    def watch(self, variables, options: reduction.GradientReduction) -> None:
         """Reduce `variables`' gradients bucket by bucket while backward runs (see module doc).
 
         ``MGPU_TORCH_OVERLAP=0`` turns this off (one fused allreduce in ``apply``), to measure
@@ -213,18 +212,20 @@ class TorchEngine(Engine):
             self._watched = None
         if not settings.flag("MGPU_TORCH_OVERLAP"):
             return
-        reducer = Reduction(self.size, average, prescale, postscale, compression)
+        reducer = Reduction(self.size, options.average, options.prescale, options.postscale,
+                            options.compression)
         self._watched = GradientBuckets(list(variables), reducer, self.fusion_bytes)
 
     def overlaps_backward(self) -> bool:
         return self._watched is not None  # buckets launched by hooks during backward
 
-    def reduce_gradients(self, grads, variables, **options) -> List[Any]:
+    def reduce_gradients(self, grads, variables, options: reduction.GradientReduction,
+                         group=None) -> List[Any]:
         watched = self._watched
-        within_a_set = getattr(options.get("group"), "process_set_id", 0)
+        within_a_set = getattr(group, "process_set_id", 0)
         if watched is not None and not within_a_set and watched.covers(variables):
             return watched.finish(grads)
-        return super().reduce_gradients(grads, variables, **options)
+        return super().reduce_gradients(grads, variables, options, group=group)
 
 
 _SUM_FUNCTION = []

@@ -370,7 +370,7 @@ def _with_sync_check(step):
 def _where(stack, fallback: str) -> str:
     """The innermost frames of `stack` outside torch, warnings and this module: where a
     synchronising call came from (the Keras function that made it, and its caller)."""
-    skip = ("/torch/", "warnings.py", "torch_graph.py", "_patches_training.py",
+    skip = ("/torch/", "warnings.py", "torch_graph.py", "patches/fit.py",
             "/keras/src/backend/torch/core.py")
     frames = [f for f in stack if not any(part in f.filename for part in skip)]
     if not frames:

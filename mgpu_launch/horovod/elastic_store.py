@@ -30,9 +30,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from mgpu_launch import runtime
 from mgpu_launch.horovod.elastic_state import is_chief, size
-from mgpu_launch.runtime import collectives, folders
+from mgpu_launch.runtime import agreement, folders
 from mgpu_launch.training.epoch_resume import BadBackup, checked_state
 
 __all__ = ["CommitStore"]
@@ -120,33 +119,27 @@ class CommitStore:
             PermissionError: the folder is not rank 0's user's alone (every rank).
             BadBackup: the newest readable commit fails a check (every rank).
         """
-        outcome, arrays = None, None
-        if is_chief():
-            try:
-                found = self._load_on_chief(check_attributes, like)
-                if found is not None:
-                    written_by, attributes, arrays = found
-                    found = (written_by, attributes)
-                outcome = ("loaded", found)
-            except folders.UnsafeFolder as error:
-                outcome = ("unsafe", str(error))
-            except BadBackup as error:
-                outcome = ("bad", str(error))
-        if runtime.is_multi_process():
-            outcome = collectives.broadcast_object(outcome)
-        kind, detail = outcome
-        if kind == "unsafe":
-            raise PermissionError(f"{self.owner}: rank 0 refuses to read or write commits "
-                                  f"there: {detail}")
-        if kind == "bad":
-            raise BadBackup(
-                f"{self.owner}: refused the commit {detail}. Nothing of it was used. Delete "
+        arrays = []  # rank 0's, kept here: only the job size and attributes are broadcast
+
+        def load_on_chief():
+            found = self._load_on_chief(check_attributes, like)
+            if found is None:
+                return None
+            written_by, attributes, read = found
+            arrays.append(read)
+            return written_by, attributes
+
+        found = agreement.decided_by_root(load_on_chief, {
+            folders.UnsafeFolder: lambda why: PermissionError(
+                f"{self.owner}: rank 0 refuses to read or write commits there: {why}"),
+            BadBackup: lambda why: BadBackup(
+                f"{self.owner}: refused the commit {why}. Nothing of it was used. Delete "
                 f"that file to resume from the older commit (or the folder to start afresh). "
                 f"mgpu never writes a commit that fails this check: look for what else writes "
-                f"there")
-        if detail is None:
+                f"there")})
+        if found is None:
             return None
-        return detail[0], detail[1], arrays
+        return found[0], found[1], arrays[0] if arrays else None
 
     def _load_on_chief(self, check_attributes, like) -> Optional[Loaded]:
         try:

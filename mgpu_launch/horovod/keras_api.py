@@ -54,7 +54,7 @@ from mgpu_launch.horovod.support import (Adasum, Average, ProcessSet, Sum, add_p
                                          rocm_built)
 from mgpu_launch.runtime import (cross_rank, cross_size, is_initialized, launch as _launch,
                                  local_rank, local_size, rank, shutdown, size)
-from mgpu_launch.runtime.compression import Compression
+from mgpu_launch.engines.compression import Compression
 from mgpu_launch.training import optimizer as _optimizer, patches, saving
 from mgpu_launch.training.callbacks import model_state_variables
 from mgpu_launch.training.layers import SyncBatchNormalization
@@ -193,8 +193,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         backward_passes_per_step=backward_passes_per_step,
         average_aggregated_gradients=average_aggregated_gradients,
         gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
-        iterations_count="passes", process_set=process_set, name=name)
-    distributed.scale_local_gradients = bool(scale_local_gradients)
+        iterations_count="passes", process_set=process_set,
+        scale_local_gradients=scale_local_gradients, name=name)
     return distributed
 
 
@@ -245,17 +245,14 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
     codec, loaded = Compression.get(compression), model.optimizer
     if loaded is not None and loaded.compression is not codec:
         # A new wrapper around the same (state-holding) inner optimizer, as mgpu.load_model
-        # does: engines may read the compression when the wrapper is built.
+        # does: engines may read the compression when the wrapper is built. Every other
+        # option is the loaded one's.
         inner = loaded.inner_optimizer
         rate = keras_internals.raw_learning_rate(inner)
         if isinstance(rate, _optimizer._MultipliedSchedule):  # the new wrapper adds its own
             keras_internals.swap_learning_rate(inner, rate.schedule)
-        model.optimizer = _optimizer.DistributedOptimizer(
-            inner, compression=codec, op=loaded.op, name=loaded.name,
-            backward_passes_per_step=loaded.backward_passes_per_step,
-            average_aggregated_gradients=loaded.average_aggregated_gradients,
-            gradient_predivide_factor=loaded.gradient_predivide_factor,
-            sparse_as_dense=loaded.sparse_as_dense, iterations_count=loaded.iterations_count)
+        model.optimizer = _optimizer.DistributedOptimizer.wrapping(
+            inner, loaded.options.replace(compression=codec), name=loaded.name)
     return model
 
 

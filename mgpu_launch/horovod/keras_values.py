@@ -15,7 +15,7 @@ from mgpu_launch import engines, runtime
 from mgpu_launch.horovod import support, tensorflow_ops
 from mgpu_launch.horovod.support import Average, global_process_set
 from mgpu_launch.runtime import collectives
-from mgpu_launch.runtime.compression import Compression
+from mgpu_launch.engines.compression import Compression
 
 _NAME = "mgpu_launch.keras"
 

@@ -14,6 +14,7 @@ import os
 from typing import Dict, List
 
 from mgpu_launch import engines, runtime
+from mgpu_launch.training import bootstrap
 from mgpu_launch.runtime import collectives, process_sets, timeline
 from mgpu_launch.runtime.collectives import Average, Max, Min, Product, Sum
 from mgpu_launch.runtime.process_sets import (ProcessSet, add_process_set, global_process_set,
@@ -82,7 +83,7 @@ def init_runtime(namespace: str, comm, process_sets) -> None:
     if horovod in ("1", "true", "yes", "on") and not settings.is_set("MGPU_DYNAMIC_PROCESS_SETS"):
         # Horovod's variable, read once here: the runtime reads only MGPU_* variables
         os.environ["MGPU_DYNAMIC_PROCESS_SETS"] = "1"
-    runtime.init(process_sets=process_sets)
+    bootstrap.init(process_sets=process_sets)
 
 
 def process_set_group(namespace: str, process_set, what: str, engine_needed: bool = False,

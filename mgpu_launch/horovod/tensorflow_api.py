@@ -46,7 +46,7 @@ from mgpu_launch.horovod.tensorflow_ops import (allgather, allreduce, alltoall, 
                                                 grouped_reducescatter, reducescatter)
 from mgpu_launch.runtime import (collectives, cross_rank, cross_size, is_initialized, local_rank,
                                  local_size, process_sets, rank, shutdown, size)
-from mgpu_launch.runtime.compression import Compression
+from mgpu_launch.engines.compression import Compression
 from mgpu_launch.training import patches
 from mgpu_launch.training.layers import SyncBatchNormalization
 

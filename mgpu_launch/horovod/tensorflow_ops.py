@@ -20,10 +20,11 @@ import numpy as np
 from keras import ops
 
 from mgpu_launch import engines, runtime
+from mgpu_launch.engines.reduction import GradientReduction
 from mgpu_launch.horovod import support
 from mgpu_launch.horovod.support import global_process_set, process_set_group
 from mgpu_launch.runtime.collectives import Average, Max, Min, Product
-from mgpu_launch.runtime.compression import Compression
+from mgpu_launch.engines.compression import Compression
 
 _NAME = "mgpu_launch.tensorflow"
 _MERGE = {Min: "min", Max: "max", Product: "product"}
@@ -31,7 +32,7 @@ _MERGE = {Min: "min", Max: "max", Product: "product"}
 
 def _engine():
     runtime.state.require()
-    return engines.get_engine()
+    return engines.graph_collectives(_NAME)
 
 
 def _integer(tensor) -> bool:
@@ -106,7 +107,8 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
     result = [None] * len(tensors)
     options = dict(prescale=prescale_factor, postscale=postscale_factor, compression=codec)
     reduced = engine.reduce_gradients([tensors[i] for i in rest], [None] * len(rest),
-                                      average=op is Average, group=group, **options)
+                                      GradientReduction(average=op is Average, **options),
+                                      group=group)
     for i, value in zip(rest, reduced):
         result[i] = value
     if floor:

@@ -7,10 +7,11 @@ records on it.
 """
 
 from mgpu_launch import engines, runtime
+from mgpu_launch.engines.reduction import GradientReduction
 from mgpu_launch.horovod import support
 from mgpu_launch.horovod.support import ProcessSet, global_process_set
 from mgpu_launch.runtime.collectives import Average, Sum
-from mgpu_launch.runtime.compression import Compression
+from mgpu_launch.engines.compression import Compression
 
 _NAME = "mgpu_launch.tensorflow"
 
@@ -119,11 +120,11 @@ class DistributedGradientTape:
                   if g is not None and id(s) not in self._local]
         result = list(grads)
         if runtime.rank() in group.ranks:  # outside the tape's set: local gradients (Horovod)
-            reduced = engines.get_engine().reduce_gradients(
-                [grads[i] for i in shared], [sources[i] for i in shared],
+            options = GradientReduction(
                 average=self.op is Average, prescale=1.0 / factor, postscale=factor,
-                compression=self.compression, sparse_as_dense=self.sparse_as_dense,
-                group=group)
+                compression=self.compression, sparse_as_dense=self.sparse_as_dense)
+            reduced = engines.get_engine().reduce_gradients(
+                [grads[i] for i in shared], [sources[i] for i in shared], options, group=group)
             for i, gradient in zip(shared, reduced):
                 result[i] = gradient
         if self.scale_local_gradients:

@@ -11,6 +11,8 @@ topology and the host collectives pays for neither. Its modules, lowest first:
     stall_channel   the stall inspector's authenticated line protocol
     stall           the stall inspector: which rank waits where, named when a step stalls
     timeline        every rank's step phases and host collectives, merged into one trace
+    trace_files     the timeline's JSON trace format, its atomic writes, merging dumps
+    timeline_signals  a rank ended by SIGTERM writes its timeline first
     errors          the layer's exceptions (NotInitializedError, MismatchError, ...)
     process_set_table  the registered process sets, their MPI sub-communicators, the
                     engines' listeners
@@ -21,7 +23,7 @@ topology and the host collectives pays for neither. Its modules, lowest first:
     collectives     host collectives over MPI (allreduce, allgather, broadcast, barrier) with
                     the mismatch checks that turn a would-be hang into an error, over every
                     rank or within a process set
-    compression     what gradients are cast to on the wire (fp16, bf16)
+    agreement       one rank decides, every rank raises alike (a refusal never hangs)
     launch          mgpu_launch.run(): a Python function on N ranks from a notebook or script
 
 The layers above (engines, training, horovod) import from here; nothing here imports them.
@@ -71,17 +73,12 @@ class State:
 
 state = State()
 
-#: (start(state), stop()) pairs run by init() after MPI is up and by shutdown() before it goes
-#: (stopped in reverse): the stall inspector's and the timeline's (MGPU_TIMELINE) first; the
-#: engines add theirs (mgpu_launch.engines), so this layer never imports them.
-_hooks: List[Tuple[Callable[[State], None], Callable[[], None]]] = [
-    (stall.start, stall.stop), (timeline.on_init, timeline.on_shutdown)]
-
-
-def add_hooks(start: Callable[[State], None], stop: Callable[[], None]) -> None:
-    """Run `start(state)` at the end of every ``init()`` and `stop()` at ``shutdown()``."""
-    if (start, stop) not in _hooks:
-        _hooks.append((start, stop))
+#: (start(state), stop()) of this layer's services, run by init() after MPI is up and by
+#: shutdown() before it goes (stopped in reverse): the stall inspector and the timeline
+#: (MGPU_TIMELINE). The engines and the Keras patches are started above this layer, by
+#: mgpu.init() (mgpu_launch.training.bootstrap), never from here.
+_SERVICES: Tuple[Tuple[Callable[[State], None], Callable[[], None]], ...] = (
+    (stall.start, stall.stop), (timeline.on_init, timeline.on_shutdown))
 
 
 def _abort_on_uncaught(exc_type, exc, tb):
@@ -109,13 +106,12 @@ def _start_mpi(placement: environments.Placement):
 
 
 def init(process_sets=None) -> None:
-    """Join the job. Idempotent: a second call does nothing.
+    """Join the job: this layer's part of ``mgpu.init()``. Idempotent: a second call does
+    nothing.
 
     Works with no launcher at all (a 1-process job), under ``mgpu-train``, ``mpirun``/``mpiexec``
-    and ``srun``. On more than one process it also sets up the Keras backend's engine
-    (mgpu_launch.engines, through its hook), so call it at the top of the script, before building the model:
-    TensorFlow's collectives can only be enabled before TensorFlow creates any tensor.
-    ``MGPU_ENGINE=none`` skips the engine (host collectives only, Keras never imported).
+    and ``srun``. ``mgpu.init()`` (mgpu_launch.training.bootstrap) calls it first, then sets up
+    the Keras backend's engine and the Keras patches; call that one from a training script.
     On more than one process it starts the stall inspector (mgpu_launch.runtime.stall; knobs
     ``MGPU_STALL_WARNING_S``, ``MGPU_STALL_SHUTDOWN_S``, ``MGPU_STALL_INSPECTOR``).
     First it checks every ``MGPU_*`` variable (mgpu_launcher.settings; docs/settings.md) and
@@ -174,7 +170,7 @@ def init(process_sets=None) -> None:
                         dynamic or settings.flag("MGPU_DYNAMIC_PROCESS_SETS"))
     vars(state).update(vars(fresh))
     atexit.register(shutdown)
-    for start, _ in _hooks:
+    for start, _ in _SERVICES:
         start(state)
 
 
@@ -187,7 +183,7 @@ def shutdown() -> None:
     """Leave the job (runs at exit by itself). Idempotent; ``init()`` may be called again."""
     if not state.initialized:
         return
-    for _, stop in reversed(_hooks):
+    for _, stop in reversed(_SERVICES):
         stop()
     _process_sets.stop()
     if state.comm is not None and not _mpi().Is_finalized():

@@ -38,7 +38,7 @@ import traceback
 from typing import Any, Callable, Dict, Optional, Sequence
 
 from mgpu_launch.runtime import auth, folders
-from mgpu_launcher import cli, mpirun, settings, supervisor
+from mgpu_launcher import api, mpirun, settings
 
 PAYLOAD = "payload.pkl"
 #: the ranks' environment variable with the call's key (hex); never on a command line
@@ -166,8 +166,9 @@ def run(fn: Callable, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]]
         if not isinstance(timeline, (str, os.PathLike)) or not os.fspath(timeline).strip():
             raise ValueError(f"mgpu_launch.run: timeline={timeline!r}; expected a file path, "
                              f"e.g. timeline='timeline.json'")
-        env["MGPU_TIMELINE"] = os.path.abspath(os.fspath(timeline))
-    settings.check({**os.environ, **{name: str(value) for name, value in env.items()}})
+        timeline = os.path.abspath(os.fspath(timeline))
+    settings.check({**os.environ, **{name: str(value) for name, value in env.items()},
+                    **({"MGPU_TIMELINE": timeline} if timeline else {})})
     _dumps(fn, "fn")  # alone first: its message names the function
     payload = _dumps((fn, tuple(args), dict(kwargs or {})), "args/kwargs")
     own_dir = work_dir is None
@@ -177,18 +178,16 @@ def run(fn: Callable, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]]
         folders.create_new(os.path.join(folder, PAYLOAD), auth.sign(key, "payload", payload))
         forward = tuple(f"{name}={value}" for name, value in env.items())
         forward += (f"{KEY_VARIABLE}={key.hex()}",)  # mpirun gets -x NAME: no value on argv
-        config = cli.Config(kind="module", target=__name__, args=(folder,), np=np, hosts=hosts,
+        config = api.Config(kind="module", target=__name__, args=(folder,), np=np, hosts=hosts,
                             hostfile=hostfile, mpirun_args=tuple(mpirun_args), forward=forward,
-                            all_ranks_output=all_ranks_output)
+                            all_ranks_output=all_ranks_output, timeline=timeline,
+                            merge_window=settings.seconds("MGPU_MERGE_SECONDS"))
+        stderr = _Tee(sys.stderr)
         try:
-            command, flavour, job_env = cli.build_job(config)
+            outcome = api.supervise_once(config, stdout=sys.stdout, stderr=stderr,
+                                         run_folder=folder if own_dir else None)
         except mpirun.MpirunNotFound as error:
             raise RuntimeError(f"mgpu_launch.run: {error}") from None
-        stderr = _Tee(sys.stderr)
-        outcome = supervisor.supervise(command, flavour, all_ranks=all_ranks_output, env=job_env,
-                                       stdout=sys.stdout, stderr=stderr, size=np,
-                                       merge_window=settings.seconds("MGPU_MERGE_SECONDS"),
-                                       run_folder=folder if own_dir else None)
         if outcome.status != 0:
             raise _failure(folder, key, outcome.status, "".join(stderr.text))
         results = [pickle.loads(_read_signed(folder, key, f"result.{rank}.pkl", f"result {rank}"))

@@ -31,7 +31,7 @@ from mgpu_launch.runtime.process_set_table import (Group, add_listener, register
                                                    remove_listener)
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-           "NotInProcessSetError", "Group", "group_of", "registered", "add_listener",
+           "NotInProcessSetError", "Group", "group_of", "with_ranks", "registered", "add_listener",
            "remove_listener"]
 
 
@@ -275,6 +275,23 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     table.unregister(process_set.process_set_id)
     process_set.process_set_id = None
     return True
+
+
+def with_ranks(ranks: Sequence[int]) -> ProcessSet:
+    """The registered set of `ranks` (a model saved with it, loaded again), or an unregistered
+    :class:`ProcessSet` of them when none is: a collective on that one raises ``group_of``'s
+    "not registered" error, which says how to register it.
+
+    Example:
+        >>> with_ranks([0, 2])
+        ProcessSet(process_set_id=1, ranks=[0, 2])
+    """
+    found = ProcessSet(ranks)
+    if table.ready():
+        for group in registered():
+            if group.process_set_id and list(group.ranks) == found.ranks:
+                found.process_set_id = group.process_set_id
+    return found
 
 
 def group_of(process_set: Optional[ProcessSet], what: str, member: bool = True) -> Group:

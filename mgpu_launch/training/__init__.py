@@ -6,8 +6,12 @@ It stands on the engines (one per Keras backend, which move the gradients) and o
 public paths ``mgpu_launch.callbacks``, ``mgpu_launch.data`` and ``mgpu_launch.layers``
 re-export. Its modules:
 
+    bootstrap                   mgpu.init() / mgpu.shutdown(): joins the runtime, sets up the
+                                backend's engine, installs the Keras patches, in that order
     optimizer, optimizer_step   DistributedOptimizer: wraps a Keras optimizer, averages the
                                 gradients through the engine, accumulates backward passes
+    optimizer_options           its options as one frozen value (DistributedOptions)
+    optimizer_sync              its first step: the same variables, the root's weights
     data, prefetch              sharding with equal batch counts on every rank; the device
                                 prefetcher
     layers, batch_statistics    SyncBatchNormalization and the cross-rank batch moments

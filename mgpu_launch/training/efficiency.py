@@ -51,7 +51,6 @@ compilation) is left out.
 import statistics
 from typing import Dict, Optional, Sequence
 
-CATEGORIES = ("input", "wait", "comm", "callbacks", "other", "step")
 #: analysed steps a fit needs before the gradient allreduce is timed at its end
 TIMED_STEPS = 20
 _CALLBACKS = {"on_train_begin", "on_train_batch_begin", "on_train_batch_end", "on_epoch_end"}

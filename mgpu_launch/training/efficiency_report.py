@@ -23,6 +23,7 @@ import numpy as np
 from mgpu_launch import engines, runtime
 from mgpu_launch.runtime import collectives, timeline
 from mgpu_launch.training.efficiency import TIMED_STEPS, analyse, render
+from mgpu_launch.training.optimizer_options import DistributedOptions
 from mgpu_launcher import settings
 
 #: timed reductions at the end of a fit (after one warm-up); the report takes their median
@@ -69,11 +70,11 @@ def wanted() -> bool:
 
 
 def _distributed_optimizer(model):
-    """The model's DistributedOptimizer, also under a LossScaleOptimizer: the one that has its
-    reduction's options (by that method: importing its class would close an import circle,
-    through the fit patch that adds this report)."""
+    """The model's DistributedOptimizer, also under a LossScaleOptimizer: the one that has
+    its options (found by them: importing its class would close an import circle, through
+    the fit patch that adds this report)."""
     for optimizer in (model.optimizer, getattr(model.optimizer, "inner_optimizer", None)):
-        if callable(getattr(optimizer, "_reduction", None)):
+        if isinstance(getattr(optimizer, "options", None), DistributedOptions):
             return optimizer
     return None
 
@@ -115,12 +116,12 @@ def time_communication(model, own: List[tuple]) -> Optional[Dict[str, Any]]:
         return {"note": "the model's optimizer is no DistributedOptimizer"}
     if optimizer.process_set is not None:
         return {"note": "the gradients are reduced within a process set"}
-    variables = optimizer._shared(model.trainable_variables)
+    variables = optimizer.shared_variables(model.trainable_variables)
     try:
         engine = engines.get_engine()
         with timeline.span("gradient allreduce timed alone", "collective"):
-            seconds = engine.time_gradient_reduction(variables, repeats=REPEATS,
-                                                     **optimizer._reduction())
+            seconds = engine.time_gradient_reduction(variables, optimizer.options.reduction,
+                                                     repeats=REPEATS)
     except Exception as error:  # the report's share is lost, not the job
         return {"note": f"its timing failed on rank {state.rank} ({type(error).__name__}: "
                         f"{error})"}

@@ -1,9 +1,10 @@
 """Start an epoch in the middle: the data order and batch numbers of an interrupted run.
 
 ``callbacks.BackupAndRestore(save_freq=N)`` backs up every N steps. After a restart, the
-``EpochIterator._enumerate_iterator`` patch (``mgpu_launch.training.patches``, installed by
-:func:`keras_patches.resume_at`) hands the first epoch of ``fit`` to :func:`resumed_epoch`,
-which moves the data on to the backed-up epoch and drops the batches already trained on.
+``EpochIterator._enumerate_iterator`` patch (installed by
+:func:`mgpu_launch.training.patches.resume_at`) hands the first epoch of ``fit`` to
+:func:`resumed_epoch`, which moves the data on to the backed-up epoch and drops the batches
+already trained on.
 
 Exact for ``mgpu.data.shard`` (its shuffle is seeded per epoch, so any epoch's order can be
 rebuilt) and for data without shuffling; ``fit(shuffle=True)`` cannot be replayed and warns.
@@ -39,18 +40,14 @@ def keeps_its_order(data, arguments) -> bool:
 
 @contextlib.contextmanager
 def training_on(data):
-    """Make `data` the :func:`training_data` while a ``fit`` on it runs."""
+    """Make `data` the ``x`` of the ``fit`` that runs now (what BackupAndRestore asks the
+    position of) while that ``fit`` runs."""
     global _training_data
     previous, _training_data = _training_data, data
     try:
         yield
     finally:
         _training_data = previous
-
-
-def training_data():
-    """The ``x`` of the ``fit`` that runs now, when the ``fit`` patch saw it (else None)."""
-    return _training_data
 
 
 def backup_state(batches_done: int, size: int, steps) -> dict:
@@ -131,9 +128,9 @@ def resume_point(epochs: int, batches: int, saved: dict, size: int, steps):
         resume across a size change did, in words ("" when the size is the same).
 
     With ``mgpu.data.shard`` data the epoch continues at the same global position of its
-    order (:meth:`mgpu_launch.data._Shard.start_at`): every unit of the interrupted epoch is
-    trained once, except a remainder smaller than one global batch of the new size. Other
-    data resumes at the same fraction of the epoch, with a warning.
+    order (:meth:`mgpu_launch.training.data._Shard.start_at`): every unit of the interrupted
+    epoch is trained once, except a remainder smaller than one global batch of the new size.
+    Other data resumes at the same fraction of the epoch, with a warning.
     """
     old_size = int(saved.get("size") or size)
     data = _training_data

@@ -13,9 +13,10 @@ from keras import ops
 from mgpu_launch import engines, keras_internals, runtime
 from mgpu_launch.runtime import collectives, process_sets
 from mgpu_launch.runtime.collectives import ReduceOp
-from mgpu_launch.runtime.compression import Compression, Compressor
+from mgpu_launch.engines.compression import Compression, Compressor
 from mgpu_launch.training import patches
 from mgpu_launch.training import optimizer_sync
+from mgpu_launch.training.optimizer_options import DistributedOptions
 from mgpu_launch.training.optimizer_step import (Accumulation, _MultipliedSchedule, apply_inner,
                                                  innermost)
 from mgpu_launch.training.optimizer_sync import check_same_variables  # noqa: F401  (re-export)
@@ -59,9 +60,15 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             are averaged (summed) over its members only, and its first rank's weights are
             copied to the other members at the first step. On a rank outside the set the
             gradients stay local (Horovod's meaning) and nothing is copied. Within a set the
-            backend's engine must take process sets (TensorFlow, torch); not saved with the
-            model (a loaded model reduces over every rank).
+            backend's engine must take process sets (TensorFlow, torch). Saved with the model
+            as its ranks: a loaded model reduces within the registered set of those ranks.
+        scale_local_gradients: divide the gradients of variables registered with
+            :meth:`register_local_var` by the set's size (True, default; Horovod's option).
         name: the optimizer's name.
+
+    The options are kept as one frozen value, ``options`` (a
+    :class:`~mgpu_launch.training.optimizer_options.DistributedOptions`); each is also a
+    read-only attribute of the same name. ``get_config`` writes them all.
 
     Mixed precision: with the ``mixed_float16`` policy, wrap the loss-scaling optimizer and
     tell ``compile`` not to add another one:
@@ -90,55 +97,32 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                  backward_passes_per_step: int = 1, average_aggregated_gradients: bool = True,
                  gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
                  cuda_graph: Optional[bool] = None, iterations_count: str = "updates",
-                 process_set=None, name: Optional[str] = None, **kwargs):
+                 process_set=None, scale_local_gradients: bool = True,
+                 name: Optional[str] = None, **kwargs):
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise ValueError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer; got "
                              f"{optimizer!r} ({type(optimizer).__name__}). Pass e.g. "
                              f"keras.optimizers.SGD(0.01).")
-        if isinstance(op, str):
-            op = ReduceOp(op)
-        if op not in (collectives.Average, collectives.Sum):
-            raise ValueError(f"op={op!r}: expected mgpu.Average or mgpu.Sum")
-        if int(backward_passes_per_step) < 1:
-            raise ValueError(f"backward_passes_per_step={backward_passes_per_step!r}: expected "
-                             f"an integer >= 1")
-        if gradient_predivide_factor <= 0 or (gradient_predivide_factor != 1.0
-                                              and op is not collectives.Average):
-            raise ValueError(f"gradient_predivide_factor={gradient_predivide_factor!r}: "
-                             f"expected a positive number, and only with op=mgpu.Average")
-        if cuda_graph not in (None, True, False):
-            raise ValueError(f"cuda_graph={cuda_graph!r}: expected True, False or None "
-                             f"(None follows MGPU_TORCH_CUDA_GRAPH)")
-        if iterations_count not in ("updates", "passes"):
-            raise ValueError(f"iterations_count={iterations_count!r}: expected 'updates' "
-                             f"(Keras's convention) or 'passes' (Horovod's)")
-        if process_set is not None and not isinstance(process_set, process_sets.ProcessSet):
-            raise ValueError(f"process_set={process_set!r}: expected None or an "
-                             f"mgpu.ProcessSet (registered with init(process_sets=[...]) or "
-                             f"add_process_set)")
         if kwargs:
             raise ValueError(f"DistributedOptimizer does not take {sorted(kwargs)}: set them "
                              f"on the wrapped optimizer instead.")
+        options = DistributedOptions(
+            compression=compression, op=op, backward_passes_per_step=backward_passes_per_step,
+            average_aggregated_gradients=average_aggregated_gradients,
+            gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
+            cuda_graph=cuda_graph, iterations_count=iterations_count, process_set=process_set,
+            scale_local_gradients=scale_local_gradients)
         super().__init__(learning_rate=0.0, name=name or f"Distributed{optimizer.name}")
         self._wrapped_by_loss_scaler = False
         self.inner_optimizer = optimizer
-        self.compression: Compressor = Compression.get(compression)
-        self.op = op
-        self.backward_passes_per_step = int(backward_passes_per_step)
-        self.average_aggregated_gradients = bool(average_aggregated_gradients)
-        self.gradient_predivide_factor = float(gradient_predivide_factor)
-        self.sparse_as_dense = bool(sparse_as_dense)
+        #: every option, one frozen value (read through the properties below)
+        self.options = options
         #: ids of variables kept per rank (register_local_var): not reduced, not synced
         self._local_ids = set()
-        #: divide local variables' gradients by size() (Horovod's scale_local_gradients)
-        self.scale_local_gradients = True
-        self.cuda_graph = cuda_graph
-        self.iterations_count = iterations_count
-        #: the process set the gradients are reduced in (None: every rank)
-        self.process_set = process_set
         #: with a LearningRateSchedule: a variable its output is multiplied by (LR callbacks)
         self.lr_multiplier = None
-        self._sync_in_step = False
+        #: the first step's copy of the root's weights (optimizer_sync), made at build
+        self._root_sync: Optional[optimizer_sync.RootSync] = None
         self._accumulation: Optional[Accumulation] = None
         self._schedule: Optional[_MultipliedSchedule] = None
         scheduled = innermost(optimizer)  # under a LossScaleOptimizer: the optimizer it wraps
@@ -150,12 +134,35 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             # Horovod's iterations count the passes already: the schedule takes them as they are.
             self._schedule = _MultipliedSchedule(rate, self.lr_multiplier,
                                                  self.backward_passes_per_step
-                                                 if iterations_count == "updates" else 1)
+                                                 if options.iterations_count == "updates"
+                                                 else 1)
             keras_internals.swap_learning_rate(scheduled, self._schedule)
         # Device prefetch of fit's batches (MGPU_PREFETCH), the ranks' agreement check before
         # the first step, and (JAX) the engine's train step: all patches of Keras internals.
         patches.install(DistributedOptimizer)
         self._init_done = True
+
+    @classmethod
+    def wrapping(cls, optimizer, options: DistributedOptions, name: Optional[str] = None):
+        """A DistributedOptimizer around `optimizer` with `options` (every one of them: a
+        wrapper made again, e.g. by ``hvd.load_model``, loses none)."""
+        keywords = {field: getattr(options, field) for field in options.to_config()}
+        return cls(optimizer, name=name, **keywords)
+
+    # -- the options, read-only ------------------------------------------------------------
+    compression: Compressor = property(lambda self: self.options.compression)
+    op: ReduceOp = property(lambda self: self.options.op)
+    backward_passes_per_step: int = property(lambda self: self.options.backward_passes_per_step)
+    average_aggregated_gradients: bool = property(
+        lambda self: self.options.average_aggregated_gradients)
+    gradient_predivide_factor: float = property(
+        lambda self: self.options.gradient_predivide_factor)
+    sparse_as_dense: bool = property(lambda self: self.options.sparse_as_dense)
+    cuda_graph: Optional[bool] = property(lambda self: self.options.cuda_graph)
+    iterations_count: str = property(lambda self: self.options.iterations_count)
+    #: the process set the gradients are reduced in (None: every rank)
+    process_set = property(lambda self: self.options.process_set)
+    scale_local_gradients: bool = property(lambda self: self.options.scale_local_gradients)
 
     def __setattr__(self, name, value):
         # A LossScaleOptimizer wrapped around us resets our loss_scale_factor after __init__.
@@ -187,20 +194,18 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             engines.get_engine().check_group(group, "DistributedOptimizer(process_set=...)")
         if (self.backward_passes_per_step == 1 and runtime.is_multi_process()
                 and group is None):  # a backend that reduces during backward: every rank
-            engines.get_engine().watch(var_list, **self._reduction())
-        self._synced = False
+            engines.get_engine().watch(var_list, self.options.reduction)
+        self._root_sync = optimizer_sync.RootSync(self.process_set, self.shared_variables,
+                                                  self._in_step_synced)
         self._sync_from_root()
 
     def _sync_from_root(self):
-        """Once: the root's weights everywhere (``optimizer_sync.sync_from_root``)."""
-        optimizer_sync.sync_from_root(self)
+        """Once: the root's weights everywhere (``optimizer_sync.RootSync.from_root``)."""
+        self._root_sync.from_root(keras_internals.built_variables(self))
 
     def _group(self) -> Optional[process_sets.Group]:
         """The registered set the gradients are reduced in; None for every rank."""
         return optimizer_sync.reduction_group(self.process_set)
-
-    def _broadcast_in_step(self, variables):
-        optimizer_sync.broadcast_in_step(self, variables)
 
     @property
     def variables(self):
@@ -213,7 +218,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         scaled by it) and rank 0's value is not copied to it. Call before the first step."""
         self._local_ids.add(id(var))
 
-    def _shared(self, variables) -> list:
+    def shared_variables(self, variables) -> list:
+        """`variables` without those kept per rank (:meth:`register_local_var`)."""
         return [v for v in variables if id(v) not in self._local_ids]
 
     def _reduce(self, grads: List[Any], variables) -> List[Any]:
@@ -229,16 +235,11 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             return reduced  # outside the optimizer's set: local gradients, as Horovod's
         within = {} if group is None else {"group": group}
         summed = engines.get_engine().reduce_gradients(
-            [grads[i] for i in shared], [variables[i] for i in shared], **self._reduction(),
-            sparse_as_dense=self.sparse_as_dense, **within)
+            [grads[i] for i in shared], [variables[i] for i in shared], self.options.reduction,
+            **within)
         for i, gradient in zip(shared, summed):
             reduced[i] = gradient
         return reduced
-
-    def _reduction(self) -> dict:
-        factor = self.gradient_predivide_factor
-        return {"average": self.op is collectives.Average, "prescale": 1.0 / factor,
-                "postscale": factor, "compression": self.compression}
 
     def apply(self, grads, trainable_variables=None):
         if not self.built:
@@ -247,8 +248,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             self.built = True
         self._sync_from_root()
         variables = trainable_variables or keras_internals.built_variables(self)
-        if self._sync_in_step:
-            self._broadcast_in_step(variables)
+        if self._root_sync.in_step:
+            self._root_sync.broadcast_in_step(variables)
 
         def reduce_and_apply(local):
             apply_inner(self.inner_optimizer, self._reduce(local, variables),
@@ -308,8 +309,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         """The inner optimizer, serialized as Keras does, plus our settings under "mgpu_launch".
 
         This is what ``model.save`` writes for the model's optimizer (the compile-config patch
-        in ``keras_patches``): plain ``keras.models.load_model`` builds the inner optimizer
-        and ignores the extra key; :func:`load_model` reads it back to re-wrap.
+        in ``training/patches/objects.py``): plain ``keras.models.load_model`` builds the inner
+        optimizer and ignores the extra key; ``mgpu.load_model`` reads it back to re-wrap.
         """
         settings = self.get_config()
         config = settings.pop("optimizer")
@@ -327,25 +328,27 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             keras_internals.swap_learning_rate(scheduled, schedule)
 
     def get_config(self):
-        return {
-            "name": self.name,
-            "optimizer": self._serialized_inner(),
-            "compression": self.compression.name,
-            "op": self.op.value,
-            "backward_passes_per_step": self.backward_passes_per_step,
-            "average_aggregated_gradients": self.average_aggregated_gradients,
-            "gradient_predivide_factor": self.gradient_predivide_factor,
-            "sparse_as_dense": self.sparse_as_dense,
-            "cuda_graph": self.cuda_graph,
-            "iterations_count": self.iterations_count,
-        }
+        return {"name": self.name, "optimizer": self._serialized_inner(),
+                **self.options.to_config()}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("optimizer"),
                                                       custom_objects=custom_objects)
-        return cls(inner, **config)
+        return cls.from_settings(inner, config)
+
+    @classmethod
+    def from_settings(cls, optimizer, settings: dict):
+        """A DistributedOptimizer around `optimizer` with the `settings` :meth:`get_config`
+        wrote (without its "optimizer"): its name and every option.
+
+        Raises:
+            ValueError: a setting that is no option, or a bad value.
+        """
+        settings = dict(settings)
+        name = settings.pop("name", None)
+        return cls.wrapping(optimizer, DistributedOptions.from_config(settings), name=name)
 
 
 def scale_lr(base_lr: float) -> float:

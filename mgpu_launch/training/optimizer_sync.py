@@ -9,7 +9,7 @@ built model) are copied inside the first executed step instead, as a sum of the 
 and zeros from the others.
 """
 
-from typing import Optional
+from typing import Callable, Optional
 
 import keras
 from keras import ops
@@ -36,50 +36,66 @@ def root_rank(group: Optional[process_sets.Group]) -> int:
     return 0 if group is None else group.ranks[0]
 
 
-def sync_from_root(optimizer) -> None:
-    """Once: check the ranks of `optimizer`'s reduction hold the same variables, then copy the
-    root's values to them (or mark the copy for the first step, ``_sync_in_step``).
+class RootSync:
+    """An optimizer's first-step copy of the root's weights, with its state: whether it is
+    done, whether it waits for the first executed step (``in_step``).
 
-    Keras may build the optimizer while it traces the step symbolically, when variables
-    have no values yet; then the sync waits for the first real step (``apply``).
+    Args:
+        process_set: the optimizer's (None: every rank).
+        shared: `variables` -> those the ranks share (not kept per rank).
+        flag: the optimizer's integer variable that keeps the in-step copy to one step.
     """
-    if optimizer._synced or not runtime.is_multi_process():
-        return
-    if keras_internals.in_stateless_scope() or keras_internals.in_symbolic_scope():
-        return
-    group = reduction_group(optimizer.process_set)
-    if group is not None and runtime.rank() not in group.ranks:
-        optimizer._synced = True  # outside the set: this rank trains alone
-        return
-    trainable = keras_internals.built_variables(optimizer)
-    check_same_variables(trainable, "the model's trainable variables", group)
-    # Only the model's weights: fresh optimizer slots are equal (zeros) on every rank, and
-    # slots created inside the step's trace cannot be read back yet.
-    engine = engines.get_engine()
-    if engine.readable_on_host(trainable):
-        engine.broadcast_variables(optimizer._shared(trainable), root_rank(group), group)
-    else:  # created inside the step's trace (TF, lazily built models): sync in the step
-        optimizer._sync_in_step = True
-    optimizer._synced = True
 
+    def __init__(self, process_set, shared: Callable[[list], list], flag):
+        self.process_set = process_set
+        self.shared = shared
+        self.flag = flag
+        self.done = False
+        self.in_step = False
 
-def broadcast_in_step(optimizer, variables) -> None:
-    """At the first executed step: the root's values, as a sum of (the root's, zeros, ...);
-    ``optimizer._in_step_synced`` keeps it to that step."""
-    engine = engines.get_engine()
-    group = reduction_group(optimizer.process_set)
-    is_root = runtime.rank() == root_rank(group)
-    within = {} if group is None else {"group": group}
-    variables = optimizer._shared(variables)
-    flag = optimizer._in_step_synced
+    def from_root(self, trainable) -> None:
+        """Once: check the ranks of the reduction hold the same `trainable` variables, then
+        copy the root's values to them (or mark the copy for the first step, ``in_step``).
 
-    def copy_from_root():
-        sent = [v.value if is_root else ops.zeros_like(v.value) for v in variables]
-        for variable, value in zip(variables, engine.allreduce(sent, average=False, **within)):
-            variable.assign(value)
-        flag.assign(1)
+        Keras may build the optimizer while it traces the step symbolically, when variables
+        have no values yet; then the sync waits for the first real step (``apply``).
+        """
+        if self.done or not runtime.is_multi_process():
+            return
+        if keras_internals.in_stateless_scope() or keras_internals.in_symbolic_scope():
+            return
+        group = reduction_group(self.process_set)
+        if group is not None and runtime.rank() not in group.ranks:
+            self.done = True  # outside the set: this rank trains alone
+            return
+        check_same_variables(trainable, "the model's trainable variables", group)
+        # Only the model's weights: fresh optimizer slots are equal (zeros) on every rank, and
+        # slots created inside the step's trace cannot be read back yet.
+        engine = engines.get_engine()
+        if engine.readable_on_host(trainable):
+            engine.broadcast_variables(self.shared(trainable), root_rank(group), group)
+        else:  # created inside the step's trace (TF, lazily built models): sync in the step
+            self.in_step = True
+        self.done = True
 
-    engine.cond_update(ops.equal(flag, 0), copy_from_root, list(variables) + [flag])
+    def broadcast_in_step(self, variables) -> None:
+        """At the first executed step: the root's values, as a sum of (the root's, zeros,
+        ...); ``flag`` keeps it to that step."""
+        engine = engines.get_engine()
+        group = reduction_group(self.process_set)
+        is_root = runtime.rank() == root_rank(group)
+        within = {} if group is None else {"group": group}
+        variables = self.shared(variables)
+        flag = self.flag
+
+        def copy_from_root():
+            sent = [v.value if is_root else ops.zeros_like(v.value) for v in variables]
+            for variable, value in zip(variables,
+                                       engine.allreduce(sent, average=False, **within)):
+                variable.assign(value)
+            flag.assign(1)
+
+        engine.cond_update(ops.equal(flag, 0), copy_from_root, list(variables) + [flag])
 
 
 def check_same_variables(variables, what: str, group=None) -> None:

@@ -38,7 +38,8 @@ def load_model(path: str, custom_objects: Optional[dict] = None, **kwargs):
     model = keras.models.load_model(path, custom_objects=custom_objects, **kwargs)
     if getattr(model, "optimizer", None) is not None and not isinstance(
             model.optimizer, DistributedOptimizer):
-        model.optimizer = DistributedOptimizer(model.optimizer, **saved_settings(path))
+        model.optimizer = DistributedOptimizer.from_settings(model.optimizer,
+                                                             saved_settings(path))
     return model
 
 

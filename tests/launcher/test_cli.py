@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from mgpu_launcher import cli, mpirun
+from mgpu_launcher import api, cli, mpirun
 
 OPENMPI_VERSION = "mpirun (Open MPI) 5.0.11\n\nReport bugs to https://www.open-mpi.org/community/help/\n"
 MPICH_VERSION = "HYDRA build details:\n    Version:                                 4.1.2\n"
@@ -178,14 +178,14 @@ def test_one_host_only_when_no_other_host_can_take_a_rank(hosts, hostfile, extra
 def test_a_one_host_job_turns_open_mpis_tcp_transport_off_unless_told(script, monkeypatch):
     """Open MPI's TCP transport listens on every interface in every rank (docs/security.md)."""
     monkeypatch.delenv("OMPI_MCA_btl", raising=False)
-    _, flavour, env = cli.build_job(cli.parse_args(["-np", "2", script]))
+    _, flavour, env = api.build_job(cli.parse_args(["-np", "2", script]))
     if flavour is not mpirun.OPENMPI:
         pytest.skip(f"mpirun here is {flavour.name}")
     assert env["OMPI_MCA_btl"] == "^tcp"
-    _, _, env = cli.build_job(cli.parse_args(["-np", "2", "-H", "localhost:1,node2:1", script]))
+    _, _, env = api.build_job(cli.parse_args(["-np", "2", "-H", "localhost:1,node2:1", script]))
     assert "OMPI_MCA_btl" not in env
     monkeypatch.setenv("OMPI_MCA_btl", "self,tcp")
-    _, _, env = cli.build_job(cli.parse_args(["-np", "2", script]))
+    _, _, env = api.build_job(cli.parse_args(["-np", "2", script]))
     assert env["OMPI_MCA_btl"] == "self,tcp"
 
 
@@ -241,3 +241,14 @@ def test_an_unknown_keras_backend_lists_the_ones_that_work(env, argv, monkeypatc
 def test_the_launchers_backend_list_is_the_engines():
     from mgpu_launch.engines import ENGINES
     assert sorted(cli.KERAS_BACKENDS) == sorted(ENGINES)
+
+
+def test_the_timeline_reaches_the_ranks_through_the_jobs_environment(script, tmp_path,
+                                                                      monkeypatch):
+    # build_job reads Config.timeline; mgpu-train's own environment is left alone
+    monkeypatch.delenv("MGPU_TIMELINE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    command, _, env = api.build_job(cli.parse_args(["-np", "2", "--timeline", "t.json", script]))
+    assert env["MGPU_TIMELINE"] == str(tmp_path / "t.json")
+    assert "MGPU_TIMELINE" in command  # forwarded by name (-x), as every MGPU_* variable
+    assert "MGPU_TIMELINE" not in os.environ

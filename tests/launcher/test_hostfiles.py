@@ -15,7 +15,7 @@ import shlex
 import pytest
 
 import elastickit
-from mgpu_launcher import cli, discovery, hostfiles
+from mgpu_launcher import api, cli, discovery, hostfiles
 
 BARE = "pi-worker-0.pi-worker\npi-worker-1.pi-worker\n"  # operator v0.3.0
 WITH_SLOTS = "pi-worker-0.pi.default.svc slots=2\npi-worker-1.pi.default.svc slots=2\n"  # v0.8.2
@@ -61,7 +61,7 @@ def test_bare_names_get_the_mpijobs_slots_per_worker(operator, script, capsys):
     assert "--hostfile" not in command
     # mpirun gets only these hosts (Open MPI 4 would read the variable's file too) and may use
     # the network: the job spans hosts
-    _, _, env = cli.build_job(cli.parse_args(["-np", "8", script]))
+    _, _, env = api.build_job(cli.parse_args(["-np", "8", script]))
     assert "OMPI_MCA_orte_default_hostfile" not in env and "OMPI_MCA_btl" not in env
 
 
@@ -162,3 +162,20 @@ def test_env_shows_the_hostfile_it_detected(operator, capsys, monkeypatch):
     os.unlink(path)
     assert cli.main(["--env"]) == 0
     assert "hostfile          error: $OMPI_MCA_orte_default_hostfile" in capsys.readouterr().out
+
+
+def test_one_reader_reads_both_host_list_syntaxes():
+    # discovery output and hostfiles go through mgpu_launcher.hostlists alone: the same
+    # comment handling and host-name check, each syntax's slots
+    from mgpu_launcher import hostlists
+    read = [(l.host, l.slots, l.is_host_name) for l in hostlists.lines(
+        "a:2  # two\n\nb\n-x:1\nnot a line\n", "discovery")]
+    assert read == [("a", 2, True), ("b", None, True), ("-x", 1, False), (None, None, False)]
+    read = [(l.host, l.slots, l.is_host_name) for l in hostlists.lines(
+        "a slots=2 max_slots=4 # two\nb\n--mca\nb slots=x\n", "hostfile")]
+    assert read == [("a", 2, True), ("b", None, True), ("--mca", None, False),
+                    (None, None, False)]
+    assert discovery.parse("a:2\n-x:1\n").problems[0].endswith(
+        f"'-x' skipped: expected {hostlists.HOST_NAME}")
+    with pytest.raises(ValueError, match="expected one of"):
+        hostlists.lines("a", "yaml")

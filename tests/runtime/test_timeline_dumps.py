@@ -1,7 +1,7 @@
 """A job that ends without ``mgpu.shutdown()`` still leaves its timeline: each rank's slices
 up to the crash, the SIGTERM or the stall, with the phase it was in, in FILE.rank<N>.json; the merge
 command joins them. Real 2-process jobs (TensorFlow: the recorder is backend-independent,
-the efficiency tests run it on every backend). tests/runtime/test_run.py runs
+the efficiency tests run it on every backend). tests/runtime/test_launch.py runs
 ``mgpu_launch.run(..., timeline=FILE)``."""
 
 import json

@@ -1,4 +1,4 @@
-"""Functions for tests/runtime/test_run.py to start with mgpu_launch.run (importable by the
+"""Functions for tests/runtime/test_launch.py to start with mgpu_launch.run (importable by the
 ranks)."""
 
 import os

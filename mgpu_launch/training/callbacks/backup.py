@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import keras
 
 from mgpu_launch import engines, keras_internals, runtime
-from mgpu_launch.runtime import collectives, folders
+from mgpu_launch.runtime import agreement, folders
 from mgpu_launch.training import epoch_resume, patches, resize
 from mgpu_launch.training.callbacks.io import _is_chief, read_attributes, save_atomically
 from mgpu_launch.training.callbacks.schedule import correct_momentum, lr_target
@@ -26,6 +26,11 @@ _BACKUP = re.compile(r"^epoch-(\d+)(?:-batch-(\d+))?\.weights\.h5$")
 _PARTIAL = re.compile(r"^\..*\.partial-\d+\.weights\.h5$")
 # The HDF5 root attribute with epoch_resume.backup_state (the writer's size, data position).
 _STATE = "mgpu_backup_state"
+
+
+def _refused_folder(why: str) -> PermissionError:
+    return PermissionError(f"BackupAndRestore: rank 0 refuses to read or write backups there: "
+                           f"{why}")
 
 
 class BackupAndRestore(keras.callbacks.Callback):
@@ -203,26 +208,13 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _restore_everywhere(self, extras=None):
         """Collective: rank 0's :meth:`_restore_on_chief`, its model state and outcome on
         every rank; a refusal raises the same error on every rank (none waits for rank 0)."""
-        outcome = None
-        if _is_chief():
-            try:
-                outcome = ("restored", self._restore_on_chief(extras))
-            except folders.UnsafeFolder as error:
-                outcome = ("unsafe", str(error))
-            except epoch_resume.BadBackup as error:
-                outcome = ("bad", str(error))
-        if runtime.is_multi_process():
-            outcome = collectives.broadcast_object(outcome)
-        kind, restored = outcome
-        if kind == "unsafe":
-            raise PermissionError(f"BackupAndRestore: rank 0 refuses to read or write backups "
-                                  f"there: {restored}")
-        if kind == "bad":
-            raise epoch_resume.BadBackup(
-                f"BackupAndRestore: refused the backup {restored}. Nothing of it was used. "
+        restored = agreement.decided_by_root(lambda: self._restore_on_chief(extras), {
+            folders.UnsafeFolder: _refused_folder,
+            epoch_resume.BadBackup: lambda why: epoch_resume.BadBackup(
+                f"BackupAndRestore: refused the backup {why}. Nothing of it was used. "
                 f"Delete that file to resume from an older backup (or the folder to start "
                 f"afresh). mgpu never writes a backup that fails this check: look for what else "
-                f"writes there")
+                f"writes there")})
         if runtime.is_multi_process() and restored is not None:
             engines.get_engine().broadcast_variables(model_state_variables(self.model), 0)
         return restored
@@ -234,29 +226,23 @@ class BackupAndRestore(keras.callbacks.Callback):
             PermissionError: the folder is not rank 0's user's alone (every rank).
             OSError: rank 0 cannot create it or write in it (every rank).
         """
-        problem = None
-        if _is_chief():
+        def try_writing():
             try:
-                folder = self._folder()
-                with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-check-"):
+                with tempfile.NamedTemporaryFile(dir=self._folder(), prefix=".write-check-"):
                     pass
-            except folders.UnsafeFolder as error:
-                problem = ("unsafe", str(error))
-            except FileExistsError:
-                problem = ("os", "it exists and is not a folder")
+            except FileExistsError as error:
+                raise FileExistsError("it exists and is not a folder") from error
+            except folders.UnsafeFolder:
+                raise
             except OSError as error:
-                problem = ("os", f"{type(error).__name__}: {error.strerror or error}")
-        if runtime.is_multi_process():
-            problem = collectives.broadcast_object(problem)
-        if problem is None:
-            return
-        if problem[0] == "unsafe":
-            raise PermissionError(f"BackupAndRestore: rank 0 refuses to read or write backups "
-                                  f"there: {problem[1]}")
-        raise OSError(f"BackupAndRestore: rank 0 cannot keep backups in "
-                      f"{self.backup_dir!r}: {problem[1]}. Expected a folder rank 0 can "
-                      f"create and write in; give another backup_dir or fix its "
-                      f"permissions.")
+                raise OSError(f"{type(error).__name__}: {error.strerror or error}") from error
+
+        agreement.decided_by_root(try_writing, {
+            folders.UnsafeFolder: _refused_folder,
+            OSError: lambda why: OSError(
+                f"BackupAndRestore: rank 0 cannot keep backups in {self.backup_dir!r}: {why}. "
+                f"Expected a folder rank 0 can create and write in; give another backup_dir "
+                f"or fix its permissions.")})
 
     def _delete_folder(self) -> None:
         """Remove the backup folder (rank 0), unless another user could have redirected it."""

@@ -6,10 +6,10 @@ the class, the attribute and the leading parameters our replacement relies on. I
 one first checks that the attribute still exists with those parameters; a Keras release
 that renamed or reshaped it gives a :class:`KerasInternalsError` naming the Keras version and
 the attribute, instead of a JAX step that silently stops reducing gradients.
-The replacements are built by factories in two private modules beside this one, which only
-this module imports: ``_patches_training`` (``fit``, the epoch iterators, the train functions,
-resuming) and ``_patches_layers`` (BatchNormalization, the optimizer's compile config and
-variables, ``compile``); the registry, the checks and the installing stay here.
+The replacements are built by factories in two modules beside this one, which only this
+module imports: ``fit`` (``fit``, the epoch iterators, the train functions, resuming) and
+``objects`` (BatchNormalization, the optimizer's compile config and variables, ``compile``);
+the registry, the checks and the installing stay here.
 
 The patches (each changes behaviour only for models compiled with a DistributedOptimizer,
 and only on the backend named):
@@ -198,6 +198,10 @@ BY_BACKEND = {
 #: applied once a torch train step is wrapped for CUDA-graph capture: otherwise every step of
 #: every torch job would pay their extra Python frames (convert_to_tensor runs many times a step)
 FOR_CUDA_GRAPHS = ("torch_sgd_update", "torch_scalars")
+#: engine name -> the patches mgpu.init() installs for every model on a multi-process job: on
+#: torch, Keras >= 3.16 must run no collective of its own on mgpu's process group (no DDP
+#: wrapper, no metric sums), whatever the model's optimizer
+AT_INIT = {"torch": ("torch_ddp", "torch_metrics")}
 
 
 def _ours(function) -> bool:
@@ -260,10 +264,10 @@ def resume_at(epochs_done: int, batches_done: int) -> None:
         apply("resume_iterator")
 
 
-def install_torch_process_group_guards() -> None:
-    """At mgpu.init() on torch: Keras >= 3.16 runs no collective of its own on mgpu's process
-    group (no DDP wrapper, no metric sums), for every model, whatever its optimizer."""
-    for name in ("torch_ddp", "torch_metrics"):
+def install_at_init(engine_name: str) -> None:
+    """At mgpu.init() on a multi-process job: the patches `engine_name`'s engine needs for
+    every model (:data:`AT_INIT`)."""
+    for name in AT_INIT.get(engine_name, ()):
         apply(name)
 
 
@@ -284,7 +288,7 @@ def install_callable_optimizer_variables() -> None:
     apply("optimizer_variables")
 
 
-# -- the replacements (built in _patches_training and _patches_layers) --------------------------
+# -- the replacements (built in patches/fit.py and patches/objects.py) --------------------------
 def _install_for_cuda_graphs() -> None:
     for name in FOR_CUDA_GRAPHS:
         apply(name)

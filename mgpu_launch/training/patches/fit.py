@@ -21,7 +21,7 @@ _resume: Optional[Tuple[int, int]] = None
 
 
 def set_distributed_class(distributed_class: type) -> None:
-    """Make the patches act on models compiled with `distributed_class` (keras_patches.install)."""
+    """Make the patches act on models compiled with `distributed_class` (patches.install)."""
     global _distributed_class
     _distributed_class = distributed_class
 
@@ -138,14 +138,14 @@ def tf_auto_jit(original):
     # cannot compile (the host ring) would then fail at its first trace.
     def _resolve_auto_jit_compile(self):
         if (uses_distributed_optimizer(self) and runtime.is_multi_process()
-                and not engines.get_engine().compiles_collectives()):
+                and not engines.graph_collectives("jit_compile='auto'").compiles_collectives()):
             return False
         return original(self)
     return _resolve_auto_jit_compile
 
 
 def torch_train_function(original, on_capture: Callable[[], None]):
-    # on_capture installs the patches a captured step needs (keras_patches.FOR_CUDA_GRAPHS);
+    # on_capture installs the patches a captured step needs (patches.FOR_CUDA_GRAPHS);
     # passed in, so this module need not import the registry, which imports it.
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:

@@ -48,7 +48,7 @@ def horovod_compile(original):
 
 
 def batch_norm_init(original):
-    # keras_patches has checked that `synchronized` is one of its parameters
+    # the patch registry (patches/__init__.py) checked that `synchronized` is a parameter
     signature = inspect.signature(original)
 
     @functools.wraps(original)
@@ -89,7 +89,7 @@ class _CallableList(list):
 
 
 class _VariablesProperty(property):
-    """A property that can carry the ``_mgpu`` / ``__wrapped__`` marks ``keras_patches.apply`` sets."""
+    """A property that can carry the ``_mgpu`` / ``__wrapped__`` marks ``patches.apply`` sets."""
 
 
 def optimizer_variables(original):

@@ -1,4 +1,5 @@
-"""mgpu_launch.run: a Python function on N processes through the launcher, results back."""
+"""mgpu_launch.run (mgpu_launch/runtime/launch.py): a Python function on N processes through the
+launcher, results back."""
 
 import glob
 import json

@@ -1,4 +1,5 @@
-"""Real multi-process runs of the launcher on CPU: placement, collectives, output, failures."""
+"""Real multi-process runs of the launcher (mgpu-train) on CPU: placement, collectives, output,
+failures."""
 
 import glob
 import json
