@@ -3,8 +3,11 @@
 Part of the trust boundary (:mod:`mgpu_launch.runtime.auth`): ``mgpu_launch.run``'s work
 folder, ``BackupAndRestore``'s backup folder and ``hvd.elastic``'s state folder pass
 :func:`private_folder` before mgpu writes or reads anything there, and files are created
-only through :func:`create_new` (``O_EXCL | O_NOFOLLOW``), so a link someone planted is never
-written through.
+only through :func:`create_new` / :func:`replace_file` (``O_EXCL | O_NOFOLLOW``), so a link
+someone planted is never written through. Files read back that another user may have planted
+(``mgpu-bench --resume``'s results, ``trace_files merge``'s inputs, the elastic and backup
+states) go through :func:`read_regular` (a regular file, no link, bounded size) and
+:func:`load_json` (bounded depth, no NaN) before anything parses them further.
 
 Why every component of the path: whoever may rename an entry of any folder on the way (a
 folder of theirs, or one everybody may write in without the sticky bit), or owns a symbolic
