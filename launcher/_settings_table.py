@@ -6,6 +6,7 @@ help), read it with ``settings.<type>(name)``, and regenerate docs/settings.md
 """
 
 import dataclasses
+import ipaddress
 import math
 import re
 from typing import Any, Dict, Optional, Tuple
@@ -43,8 +44,8 @@ class Setting:
 
     Args:
         name: the variable, ``MGPU_...``.
-        kind: ``integer``, ``number``, ``seconds``, ``flag``, ``choice``, ``text`` or
-            ``address`` (host:port).
+        kind: ``integer``, ``number``, ``seconds``, ``flag``, ``choice``, ``text``,
+            ``address`` (host:port) or ``ipv4`` (an IPv4 address).
         default: the value when unset (already parsed); None: unset / off.
         reader: :data:`LAUNCHER`, :data:`RANKS`, :data:`INTERNAL` or :data:`TOOLING`.
         help: one line of help.
@@ -82,6 +83,8 @@ class Setting:
             return f"one of {', '.join(self.choices)}"
         if self.kind == "address":
             return "HOST:PORT"
+        if self.kind == "ipv4":
+            return "an IPv4 address"
         if self.kind == "text":
             return "text"
         what = {"integer": "a whole number", "number": "a number",
@@ -117,6 +120,8 @@ class Setting:
             if not match or not 1 <= int(match.group(1)) <= 65535:
                 raise self.error(raw)
             return raw
+        if self.kind == "ipv4":
+            return self._ipv4(raw)
         if self.kind == "text":
             return raw
         try:
@@ -128,6 +133,23 @@ class Setting:
                 self.high is not None and value > self.high):
             raise self.error(raw)
         return value
+
+    def _ipv4(self, raw: str) -> str:
+        try:
+            return str(ipaddress.IPv4Address(raw))
+        except ValueError:
+            pass
+        try:
+            ipaddress.IPv6Address(raw.strip("[]"))
+        except ValueError:
+            raise self.error(raw) from None
+        # Said here, at the start, not as a failure to listen on every rank later: the job's
+        # listeners are dialled at rank 0's IPv4 host address, so they are IPv4 sockets.
+        raise SettingError(
+            f"{self.name}={raw!r}: an IPv6 address; the job's listeners (stall inspector, JAX "
+            f"coordinator, torch TCPStore) are dialled at rank 0's IPv4 address and bind IPv4 "
+            f"only. Expected an IPv4 address of rank 0's host, e.g. {self.name}=10.0.0.1 "
+            f"(0.0.0.0: every IPv4 interface)")
 
     def shown(self, value: Any) -> str:
         """`value` as a user would write it."""
@@ -211,8 +233,8 @@ SETTINGS: Dict[str, Setting] = _declare(
       "the TCP port rank 0's stall inspector listens on, for a firewall rule", low=0,
       high=65535, expected="a TCP port number 1-65535 that the other hosts may reach (0: any "
                            "free port)", example="29400", shown_default="0 (any free port)"),
-    _("MGPU_BIND_ADDRESS", "text", None, RANKS,
-      "the IP address rank 0's listeners bind (stall inspector, JAX coordinator, torch "
+    _("MGPU_BIND_ADDRESS", "ipv4", None, RANKS,
+      "the IPv4 address rank 0's listeners bind (stall inspector, JAX coordinator, torch "
       "TCPStore); `0.0.0.0`: every interface, where the address the others dial is not one of "
       "the host's own (NAT, a service name)", example="0.0.0.0",
       shown_default="the address they are dialled at (`127.0.0.1` on one host)"),

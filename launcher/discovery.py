@@ -32,6 +32,7 @@ SCRIPT_TIMEOUT_S = 30.0
 MAX_OUTPUT_BYTES = 1 << 20
 MAX_LINES = 65536
 _MAX_BACKOFF = 16
+_running = set()  # the discovery scripts running now (Popen), for end_all
 
 
 class DiscoveryError(RuntimeError):
@@ -119,6 +120,35 @@ def _run(script: str, timeout: float) -> Tuple[int, bytes, bytes]:
                                 stderr=subprocess.PIPE, start_new_session=True)
     except OSError as error:
         raise DiscoveryError(f"{script} cannot be run: {error.strerror}") from None
+    _running.add(proc)
+    try:
+        return _read(script, proc, timeout)
+    except BaseException:  # Ctrl-C, mgpu-train's SIGTERM, a bug: no process of it is left
+        _end(proc)
+        raise
+    finally:
+        _running.discard(proc)
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """End the script's whole process group (it outlives the script while one is left)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+    proc.stdout.close()
+    proc.stderr.close()
+
+
+def end_all() -> None:
+    """End every discovery script still running and what it started (mgpu-train calls it
+    when it stops, whatever stopped it: a watcher thread's script would outlive it)."""
+    for proc in list(_running):
+        _end(proc)
+
+
+def _read(script: str, proc: subprocess.Popen, timeout: float) -> Tuple[int, bytes, bytes]:
     out, err, lines, problem = bytearray(), bytearray(), 0, None
     deadline = time.monotonic() + timeout
     with selectors.DefaultSelector() as selector:
@@ -151,13 +181,7 @@ def _run(script: str, timeout: float) -> Tuple[int, bytes, bytes]:
             return proc.wait(max(0.0, deadline - time.monotonic())), bytes(out), bytes(err)
         except subprocess.TimeoutExpired:
             problem = _late(script, proc, timeout)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the group outlives the script while one is left
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
-    proc.stdout.close()
-    proc.stderr.close()
+    _end(proc)
     raise DiscoveryError(problem)
 
 

@@ -352,7 +352,26 @@ def run_job(options: Options, build: Callable, *, all_ranks: bool, output_dir: O
             return 2
         print(shlex.join(build(np, hosts_arg)[0]))
         return 0
+    # SIGTERM between attempts (discovering hosts, waiting for slots) ends mgpu-train as
+    # Ctrl-C does, through the same clean-up, not at once with a discovery script's group
+    # left running; during an attempt the supervisor's own handler has it.
+    main = threading.current_thread() is threading.main_thread()  # (only it may set handlers)
+    previous = signal.signal(signal.SIGTERM, _terminate) if main else None
     try:
         return run(options, start, max_restarts)
     except KeyboardInterrupt:  # Ctrl-C while waiting for slots (a running job: supervisor)
         return 128 + signal.SIGINT
+    except _Terminated:
+        return 128 + signal.SIGTERM
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+        discovery.end_all()  # a watcher thread's script too
+
+
+class _Terminated(BaseException):
+    """SIGTERM to mgpu-train outside an attempt (as KeyboardInterrupt is SIGINT)."""
+
+
+def _terminate(signum, frame):
+    raise _Terminated()

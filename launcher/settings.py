@@ -45,7 +45,7 @@ def _setting(name: str, kind: Optional[str] = None) -> Setting:
         raise KeyError(f"{name} is not declared in mgpu_launcher._settings_table; declare it "
                        f"there (name, type, default, help) before reading it") from None
     if kind is not None and setting.kind != kind and not (kind == "text" and
-                                                          setting.kind == "address"):
+                                                          setting.kind in ("address", "ipv4")):
         raise TypeError(f"{name} is declared as {setting.kind}, read as {kind}")
     return setting
 

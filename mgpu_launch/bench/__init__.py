@@ -45,6 +45,7 @@ import argparse
 import datetime
 import os
 import platform
+import secrets
 import shlex
 import subprocess
 import sys
@@ -52,13 +53,14 @@ import time
 from typing import Dict, List, Optional
 
 from mgpu_launcher import devices
-from mgpu_launch.bench import report, resume
+from mgpu_launch.bench import report, result_file, resume
 from mgpu_launch.bench.models import MODELS
 from mgpu_launch.bench.worker import DATA_FORMATS
+from mgpu_launch.runtime import folders
 
 BACKENDS = ("tensorflow", "jax", "torch", "native", "mirrored")
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
-DATA_MODES = ("device", "host", "host-uint8", "numpy")
+DATA_MODES = result_file.DATA_MODES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -219,7 +221,9 @@ def _environment(args, backend: str, gpus: int) -> Dict[str, str]:
 
 def _run_job(command, env, log_path: str, timeout: float) -> int:
     """Run one job; its output goes to the log, its progress lines to the console."""
-    with open(log_path, "w") as log:
+    if os.path.lexists(log_path):  # a log of an earlier call: replaced, never written through
+        os.unlink(log_path)
+    with folders.open_new(log_path, text=True) as log:
         process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True, errors="replace",
                                    start_new_session=True)
@@ -264,12 +268,14 @@ def job_label(backend: str, model: str, precision: str, data_format: str, gpus: 
 
 def run_all(args) -> int:
     """Run every job, then write the JSON, markdown and plot. Returns the exit status."""
-    os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     jobs, rows, failed, workers, args.skipped, args.reused = [], [], [], {}, [], []
-    try:
+    args.invocation, args.digests = secrets.token_hex(16), {}
+    try:  # --out may be shared (a relative default in /tmp): only a folder of this user's
+        out = folders.private_folder(args.out, "--out")
+        folders.private_folder(os.path.join(out, "logs"), "--out's logs folder")
         previous = args.resume and resume.previous_header(
-            args.out, args.options, platform.node(), None if args.cpu else _gpu_names())
-    except resume.ResumeError as error:
+            out, args.options, platform.node(), None if args.cpu else _gpu_names())
+    except (resume.ResumeError, OSError) as error:
         print(f"mgpu-bench: {error}", file=sys.stderr)
         return 2
     if args.resume:
@@ -287,26 +293,34 @@ def run_all(args) -> int:
     started_all = time.monotonic()
     for number, (backend, model, precision, data_format, gpus) in enumerate(jobs, 1):
         label = job_label(backend, model, precision, data_format, gpus)
-        result = os.path.join(args.out, "logs", f"{label}.json")
-        log = os.path.join(args.out, "logs", f"{label}.log")
+        result = os.path.join(out, "logs", f"{label}.json")
+        log = os.path.join(out, "logs", f"{label}.log")
         layout = "" if data_format == "channels_last" else f" {data_format}"
         print(f"[{number}/{len(jobs)}] {backend} {model} {precision}{layout} on {gpus} "
               f"{'process' if args.cpu else 'GPU'}{'es' if args.cpu and gpus > 1 else ''}"
               f"{'' if args.cpu or gpus == 1 else 's'} ...", flush=True)
         started = time.monotonic()
-        if previous and resume.finished(result):
+        measured = previous and resume.reusable(previous, label, result)
+        if measured:
             args.reused.append(label)
             print(f"    reused from {previous['date']}: {result}", flush=True)
             status = 0
         else:
+            if os.path.lexists(result):  # an earlier call's: the job writes its own
+                os.unlink(result)
             status = _run_job(_job(args, backend, model, precision, data_format, gpus, result),
                               _environment(args, backend, gpus), log, args.timeout)
-        if status != 0 or not os.path.exists(result):
+        try:
+            if status == 0 and not measured:
+                measured = result_file.read(result)
+        except (OSError, ValueError) as error:
+            status = f"0, but its result is unusable: {error}"
+        if status != 0:
             failed.append(label)
             print(f"    FAILED (exit {status}) after {time.monotonic() - started:.0f} s; the "
                   f"job's output: {log}", flush=True)
             continue
-        measured = report.load(result)
+        measured, args.digests[label] = measured
         workers.setdefault(backend, measured)
         for row in measured["rows"]:
             shown = backend
@@ -320,11 +334,11 @@ def run_all(args) -> int:
         print(f"    done in {time.monotonic() - started:.0f} s", flush=True)
         if number < len(jobs):  # keep what is measured if the invocation is cut short
             report.add_scaling(rows)
-            report.write(args.out, make_header(args, workers, time.monotonic() - started_all),
+            report.write(out, make_header(args, workers, time.monotonic() - started_all),
                          rows, with_plot=False)
     report.add_scaling(rows)
     header = make_header(args, workers, time.monotonic() - started_all)
-    paths = report.write(args.out, header, rows)
+    paths = report.write(out, header, rows)
     print(report.console_table(rows))
     print("wrote " + ", ".join(paths))
     if failed:
@@ -366,6 +380,9 @@ def make_header(args, workers: Dict[str, dict], seconds: float) -> dict:
         "skipped": getattr(args, "skipped", []),
         "reused": getattr(args, "reused", []),  # --resume: jobs measured by an earlier call
         "options": args.options,
+        # --resume reuses only results recorded here: this call's key, each file's SHA-256
+        "invocation": getattr(args, "invocation", None),
+        "results": dict(getattr(args, "digests", {})),
         "seconds": round(seconds),
     }
 

@@ -35,6 +35,7 @@ from mgpu_launch.bench import profile
 from mgpu_launch.bench.models import MODELS
 from mgpu_launch.bench.worker import (StepTimer, device_name, get_parser, make_window_timer,
                                       median_rate, synthetic_batches, versions)
+from mgpu_launch.runtime import folders
 
 
 def parse_args(argv=None):
@@ -155,8 +156,8 @@ def main(argv=None) -> None:
             rows[-1]["per_rank_profile"] = profile.breakdown(clock.steps, gather=lambda s: [s])
             progress(f"data {mode}: profile " + ", ".join(
                 f"{k} {v}" for k, v in rows[-1]["per_rank_profile"][0].items()))
-    with open(args.result, "w") as f:
-        json.dump({"rows": rows, "versions": versions(keras), "device": device_name(keras)}, f)
+    folders.replace_file(args.result, json.dumps(
+        {"rows": rows, "versions": versions(keras), "device": device_name(keras)}).encode())
 
 
 if __name__ == "__main__":

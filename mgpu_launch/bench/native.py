@@ -20,6 +20,7 @@ import time
 import mgpu_launch as mgpu
 from mgpu_launch import runtime
 from mgpu_launch.bench.worker import parse_args, progress
+from mgpu_launch.runtime import folders
 from mgpu_launch.runtime.rendezvous import rendezvous
 
 
@@ -73,11 +74,10 @@ def main(argv=None) -> None:
                "params": sum(p.numel() for p in model.parameters()),
                "img_per_sec": round(sum(per_rank), 1),
                "per_rank_img_per_sec": [round(r, 1) for r in per_rank]}
-        with open(args.result, "w") as f:
-            json.dump({"rows": [row], "device": torch.cuda.get_device_name(),
-                       "versions": {"python": platform.python_version(),
-                                    "torch": torch.__version__,
-                                    "torchvision": torchvision.__version__}}, f)
+        folders.replace_file(args.result, json.dumps(
+            {"rows": [row], "device": torch.cuda.get_device_name(),
+             "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                          "torchvision": torchvision.__version__}}).encode())
     if mgpu.size() > 1:
         dist.destroy_process_group()
 

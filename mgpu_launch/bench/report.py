@@ -1,8 +1,11 @@
 """mgpu-bench's outputs: scaling figures, the console table, JSON, markdown and the plot."""
 
+import io
 import json
 import os
 from typing import Dict, List, Tuple
+
+from mgpu_launch.runtime import folders
 
 SERIES = ("backend", "model", "precision", "data_format", "data", "prefetch", "batch_per_gpu",
           "variant")
@@ -102,7 +105,7 @@ def profile_table(rows: List[dict]) -> List[str]:
     return lines
 
 
-def plot(path: str, rows: List[dict], title: str) -> None:
+def plot(path, rows: List[dict], title: str) -> None:
     """Speedup and efficiency vs process count, one line per series, against the ideal."""
     import matplotlib
     matplotlib.use("Agg")
@@ -127,7 +130,7 @@ def plot(path: str, rows: List[dict], title: str) -> None:
     right.legend(fontsize=7, loc="lower left")
     figure.suptitle(title, fontsize=10)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    figure.savefig(path, dpi=110, format="png")
     plt.close(figure)
 
 
@@ -141,14 +144,17 @@ def _devices(header: dict) -> str:
 def write(out: str, header: dict, rows: List[dict], with_plot: bool = True) -> List[str]:
     """results.json, results.md and results.png under `out`; returns the paths written."""
     paths = [os.path.join(out, name) for name in ("results.json", "results.md", "results.png")]
-    with open(paths[0], "w") as f:
-        json.dump({"header": header, "rows": rows}, f, indent=1)
-    with open(paths[1], "w") as f:
-        f.write(markdown(header, rows))
+    # Each file whole and at once (a private new file renamed over the old one): a crash
+    # leaves the old results, never a truncated file, and nothing is written through a link.
+    folders.replace_file(paths[0], json.dumps({"header": header, "rows": rows},
+                                              indent=1).encode())
+    folders.replace_file(paths[1], markdown(header, rows).encode())
     if not with_plot:
         return paths[:2]
     try:
-        plot(paths[2], rows, f"mgpu-bench {header.get('date', '')}: {_devices(header)}")
+        image = io.BytesIO()
+        plot(image, rows, f"mgpu-bench {header.get('date', '')}: {_devices(header)}")
+        folders.replace_file(paths[2], image.getvalue())
     except ImportError:
         print("mgpu-bench: matplotlib is not installed, so no results.png: "
               "pip install 'mgpu-launch[bench]'")

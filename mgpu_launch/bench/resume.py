@@ -6,16 +6,25 @@ the options that decide the jobs and their rows; ``--resume`` with the same ``--
 reuses every job whose own result (``logs/<job>.json``) is there and runs the rest. Scaling
 still compares only rows of that one invocation, so the rest must run on the same machine with
 the same options: anything else is refused (exit 2), not mixed in.
+
+Only results this user's own earlier call wrote are reused: ``results.json`` must be a regular
+file of this user in the private ``--out`` folder (``runtime/folders.py``), its header must
+carry that call's key (``invocation``) and the SHA-256 of each job's result file
+(``results``), and a result file is reused only when its bytes have that digest and it passes
+``result_file.read``'s checks. A file planted or changed by anyone else runs the job again.
 """
 
-import json
 import os
-from typing import Optional
+import re
+from typing import Optional, Tuple
 
-from mgpu_launch.bench import report
+from mgpu_launch.bench import result_file
+from mgpu_launch.runtime import folders
 
 #: options that change neither the jobs nor their rows
 NOT_COMPARED = ("out", "resume", "timeout")
+#: the largest results.json read back
+MAX_BYTES = 64 << 20
 
 
 class ResumeError(ValueError):
@@ -42,14 +51,23 @@ def previous_header(out: str, options: dict, machine: str, gpus) -> Optional[dic
     if not os.path.exists(path):
         return None
     try:
-        header = report.load(path)["header"]
+        header = folders.load_json(folders.read_regular(path, MAX_BYTES, path, owned=True),
+                                   path)["header"]
+        if not isinstance(header, dict):
+            raise TypeError("its header is not an object")
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ResumeError(f"--resume: cannot read {path} ({error}); remove it or use another "
                           f"--out") from None
-    before = header.get("options")
-    if before is None:
-        raise ResumeError(f"--resume: {path} does not record its options (an older "
-                          f"mgpu-bench wrote it); run without --resume or use another --out")
+    before, digests = header.get("options"), header.get("results")
+    if not isinstance(before, dict) or not isinstance(digests, dict) or not re.fullmatch(
+            "[0-9a-f]{32}", str(header.get("invocation"))):
+        raise ResumeError(f"--resume: {path} does not record its options, its call's key and "
+                          f"its results' digests (an older mgpu-bench wrote it); run without "
+                          f"--resume or use another --out")
+    try:
+        result_file.check_text(header.get("date"), f"{path} date")  # printed, and in the header
+    except ValueError as error:
+        raise ResumeError(f"--resume: {error}; remove it or use another --out") from None
     changed = sorted(key for key in set(before) | set(options)
                      if before.get(key) != options.get(key))
     if changed:
@@ -65,11 +83,17 @@ def previous_header(out: str, options: dict, machine: str, gpus) -> Optional[dic
     return header
 
 
-def finished(result_path: str) -> bool:
-    """Whether a job's own result file is there and readable (it is written when the job
-    ends; a job that failed or was cut has none)."""
+def reusable(header: dict, label: str, result_path: str) -> Optional[Tuple[dict, str]]:
+    """A finished job's result that the call of `header` recorded, checked; None when there
+    is none to reuse (the job failed, was cut, or its file is not the one recorded: it runs
+    again).
+
+    Returns:
+        (the result document, its SHA-256), as ``result_file.read``.
+    """
+    expected = header["results"].get(label)
     try:
-        with open(result_path) as f:
-            return bool(json.load(f).get("rows"))
-    except (OSError, ValueError, AttributeError):
-        return False
+        document, digest = result_file.read(result_path)
+    except (OSError, ValueError):
+        return None
+    return (document, digest) if digest == expected else None

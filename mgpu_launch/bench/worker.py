@@ -19,7 +19,7 @@ import mgpu_launch as mgpu
 from mgpu_launch import runtime
 from mgpu_launch.bench import profile
 from mgpu_launch.bench.models import MODELS
-from mgpu_launch.runtime import timeline
+from mgpu_launch.runtime import folders, timeline
 
 
 DATA_FORMATS = ("channels_last", "channels_first")
@@ -250,9 +250,8 @@ def main(argv=None) -> None:
                         f"rank {r}: " + ", ".join(f"{k} {v}" for k, v in p.items())
                         for r, p in enumerate(rows[-1]["per_rank_profile"])))
     if mgpu.is_chief():
-        with open(args.result, "w") as f:
-            json.dump({"rows": rows, "versions": versions(keras), "device": device_name(keras)},
-                      f)
+        folders.replace_file(args.result, json.dumps(
+            {"rows": rows, "versions": versions(keras), "device": device_name(keras)}).encode())
 
 
 class StepTimer:

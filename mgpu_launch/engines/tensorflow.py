@@ -41,9 +41,10 @@ clear error at trace time. NCCL between GPU processes under XLA needs a multi-GP
 has not run here (docs/backends.md says what did).
 """
 
+import sys
 import weakref
 import zlib
-from typing import Any, List, Sequence
+from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
@@ -80,6 +81,26 @@ def _shaped_like(gradient, variable):
     if gradient.shape.is_fully_defined() or shape is None or None in tuple(shape):
         return gradient
     return tf.reshape(gradient, tuple(shape))
+
+
+def grpc_exposure_warning(state, port: int) -> Optional[str]:
+    """The start-up warning of a multi-host job's gRPC servers (rank 0 prints it), or None.
+
+    TensorFlow's collective runtime needs a gRPC server in every rank, and TensorFlow binds it
+    to ``0.0.0.0`` with no way to choose the address and no authentication
+    (docs/security.md, "TensorFlow's gRPC server"). On one host the job's user chose the host;
+    across hosts the server is reachable from every network the hosts are on.
+    """
+    if state.rank != 0 or state.local_size >= state.size:
+        return None
+    return (f"mgpu: warning: TensorFlow's collective runtime listens on every network "
+            f"interface of every host of this job (gRPC, port {port} on rank 0's host, a free "
+            f"port on the others), without authentication: whoever can reach those ports can "
+            f"run TensorFlow operations in the ranks, with this job's user's rights (read and "
+            f"write its files, tamper with the gradients, stop the job). TensorFlow offers no "
+            f"way to bind one address. Run the job on a private network, or firewall the "
+            f"ports to the job's hosts; on CPU, MGPU_TF_TRANSPORT=mpi starts no server. See "
+            f"docs/security.md.")
 
 
 def _reachable_host(state) -> str:
@@ -136,6 +157,9 @@ class TensorFlowEngine(Engine, api.GraphCollectives):
                 protocol="grpc", port=port)
             ctx.enable_collective_ops(server_def)
             ctx.ensure_initialized()
+        warning = grpc_exposure_warning(state, port)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
         with tf.init_scope():
             self._instance_key = tf.Variable(_FIXED_KEYS, dtype=tf.int32, trainable=False,
                                              name="mgpu_collective_instance_key")

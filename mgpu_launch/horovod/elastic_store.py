@@ -10,9 +10,13 @@ a Keras model has no model to save, so its commits are files of their own, kept 
   written to a hidden partial file created with ``O_EXCL | O_NOFOLLOW`` (mode 0600) and
   renamed into place, so a kill at any moment leaves the last complete commit; the newest 2
   are kept;
-- reading one back is data only: numpy's loader with pickles refused, the JSON through
-  :func:`mgpu_launch.training.epoch_resume.checked_state`, the attributes through the state's
-  own check, every array of its variable's shape and dtype. A commit that fails a check is
+- reading one back is data only: the entries' names and every array header (shape, dtype,
+  size) checked against the state's variables before any data is read, so a planted file
+  cannot make rank 0 allocate more than the state; then numpy's loader with pickles refused,
+  the JSON through :func:`mgpu_launch.training.epoch_resume.checked_state` (bounded depth, NaN
+  and Infinity refused, as the writer's ``allow_nan=False``), the attributes through the
+  state's own check. The arrays are the variables' values and are loaded as they are (a
+  variable may hold Infinity, e.g. a best loss not yet set). A commit that fails a check is
   refused on every rank (``BadBackup``), not skipped: in a private folder it means a tampered
   file. A file that cannot be read at all is skipped, with a warning, for the older one.
 
@@ -151,7 +155,9 @@ class CommitStore:
                 os.remove(os.path.join(folder, name))  # a link is removed, never followed
         for _, path in self._commits(folder):
             try:
-                entries = _read(path)
+                entries = _read(path, like)
+            except _Refused as error:
+                raise BadBackup(f"{path}: {error}") from None
             except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
                 warnings.warn(f"{self.owner}: cannot read {path} ({error}); trying an older "
                               f"commit", stacklevel=3)
@@ -174,35 +180,90 @@ def _stored(array) -> np.ndarray:
     return array if array.dtype.isbuiltin == 1 else array.view(f"u{array.dtype.itemsize}")
 
 
-def _read(path: str) -> dict:
-    """Every entry of a commit file, as arrays (numpy's loader, pickles refused)."""
+class _Refused(ValueError):
+    """A commit whose headers fail a check: tampered, not merely unreadable."""
+
+
+#: the longest state text read (attributes are counters and small settings)
+MAX_STATE_CHARS = 1 << 20
+_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0,
+                   (2, 0): np.lib.format.read_array_header_2_0}
+
+
+def _expected(like: Sequence[np.ndarray]) -> dict:
+    """Entry name -> (shape, stored dtype or None for the state text, the variable in words)
+    of a commit of `like`."""
+    entries = {_STATE: ((), None, "")}
+    entries.update({f"v{index}": (np.shape(want), _stored(want).dtype,
+                                  f"variable {index} of the state is {np.asarray(want).dtype} "
+                                  f"of shape {np.shape(want)}")
+                    for index, want in enumerate(like)})
+    return entries
+
+
+def _check_header(name: str, member, size: int, shape, dtype, variable: str) -> None:
+    """One entry's .npy header against what the state expects, before its data is read.
+
+    Raises:
+        _Refused: another format version, shape, dtype or size (the message says which).
+    """
+    version = np.lib.format.read_magic(member)
+    if version not in _HEADER_READERS:
+        raise _Refused(f"{name} is in .npy format version {version}; expected 1.0 or 2.0")
+    got_shape, _, got_dtype = _HEADER_READERS[version](member)
+    if dtype is None:  # the state: one text of bounded length
+        if got_shape != () or got_dtype.kind != "U" or got_dtype.itemsize > 4 * MAX_STATE_CHARS:
+            raise _Refused(f"its {name} entry is a {got_dtype} array of shape {got_shape}, "
+                           f"not one text of at most {MAX_STATE_CHARS} characters")
+    elif got_shape != shape or got_dtype != dtype:
+        raise _Refused(f"{name} is {got_dtype} of shape {got_shape}; {variable}")
+    data = int(np.prod(got_shape, dtype=np.int64)) * got_dtype.itemsize
+    if size != member.tell() + data:
+        raise _Refused(f"{name} holds {size - member.tell()} bytes of data; its header says "
+                       f"{data}")
+
+
+def _read(path: str, like: Sequence[np.ndarray]) -> dict:
+    """Every entry of a commit file, as arrays: the entries' names and every .npy header
+    (shape, dtype, size) checked against the state's variables before any data is read,
+    then numpy's loader, pickles refused. A planted file cannot make rank 0 allocate more than
+    the state itself.
+
+    Raises:
+        _Refused: an entry or header that is not what :meth:`CommitStore.save` writes.
+        OSError, ValueError, EOFError, zipfile.BadZipFile: the file cannot be read.
+    """
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f, np.load(f, allow_pickle=False) as store:
-        return {name: store[name] for name in store.files}
+    with os.fdopen(fd, "rb") as f:
+        expected = _expected(like)
+        with zipfile.ZipFile(f) as archive:
+            members = archive.infolist()
+            names = [member.filename[:-4] if member.filename.endswith(".npy")
+                     else member.filename for member in members]
+            if sorted(names) != sorted(expected):
+                raise _Refused(f"it holds the entries {sorted(names)}, expected "
+                               f"{sorted(expected)} (the state's {len(like)} variables and its "
+                               f"state)")
+            for name, member in zip(names, members):
+                with archive.open(member) as stream:
+                    _check_header(name, stream, member.file_size, *expected[name])
+        f.seek(0)
+        with np.load(f, allow_pickle=False) as store:
+            return {name: store[name] for name in store.files}
 
 
 def _checked(entries: dict, check_attributes, like) -> Loaded:
-    """A commit's entries read as data: its state, its attributes, its arrays.
+    """A commit's entries (their headers checked by :func:`_read`) read as data: its state,
+    its attributes, its arrays.
 
     Raises:
-        ValueError: an entry that is not there or should not be, a state that is not what
-            :meth:`CommitStore.save` writes, an array of another shape or dtype.
+        ValueError: a state that is not what :meth:`CommitStore.save` writes (JSON nested too
+            deep, NaN or Infinity included), attributes the state's own check refuses.
     """
-    expected = {_STATE} | {f"v{index}" for index in range(len(like))}
-    if set(entries) != expected:
-        raise ValueError(f"it holds the entries {sorted(entries)}, expected {sorted(expected)} "
-                         f"(the state's {len(like)} variables and its state)")
-    text = entries[_STATE]
-    if text.shape != () or text.dtype.kind != "U":
-        raise ValueError(f"its {_STATE} entry is a {text.dtype} array of shape {text.shape}, "
-                         f"not one text")
-    state = checked_state(str(text), (_ATTRIBUTES,))
+    state = checked_state(str(entries[_STATE]), (_ATTRIBUTES,))
     attributes = check_attributes(state.get(_ATTRIBUTES, {}))
     arrays = []
     for index, want in enumerate(like):
-        got, stored = entries[f"v{index}"], _stored(want)
-        if got.shape != want.shape or got.dtype != stored.dtype:
-            raise ValueError(f"v{index} is {got.dtype} of shape {got.shape}; variable {index} "
-                             f"of the state is {want.dtype} of shape {want.shape}")
-        arrays.append(got if stored.dtype == want.dtype else got.view(want.dtype))
+        got = entries[f"v{index}"]
+        arrays.append(got if got.dtype == want.dtype else got.view(want.dtype))
     return int(state.get("size") or size()), attributes, arrays

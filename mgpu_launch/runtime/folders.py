@@ -3,8 +3,11 @@
 Part of the trust boundary (:mod:`mgpu_launch.runtime.auth`): ``mgpu_launch.run``'s work
 folder, ``BackupAndRestore``'s backup folder and ``hvd.elastic``'s state folder pass
 :func:`private_folder` before mgpu writes or reads anything there, and files are created
-only through :func:`create_new` (``O_EXCL | O_NOFOLLOW``), so a link someone planted is never
-written through.
+only through :func:`create_new` / :func:`replace_file` (``O_EXCL | O_NOFOLLOW``), so a link
+someone planted is never written through. Files read back that another user may have planted
+(``mgpu-bench --resume``'s results, ``trace_files merge``'s inputs, the elastic and backup
+states) go through :func:`read_regular` (a regular file, no link, bounded size) and
+:func:`load_json` (bounded depth, no NaN) before anything parses them further.
 
 Why every component of the path: whoever may rename an entry of any folder on the way (a
 folder of theirs, or one everybody may write in without the sticky bit), or owns a symbolic
@@ -22,7 +25,9 @@ This module imports no deep-learning framework.
 """
 
 import errno
+import json
 import os
+import re
 import shutil
 import stat
 import warnings
@@ -192,6 +197,20 @@ def remove_private(path: str, what: str, who: str, holding: str) -> None:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+def open_new(path: str, mode: int = 0o600, text: bool = False):
+    """Open a new file for writing (`mode`, less the umask); fails on anything already there,
+    a symbolic link included.
+
+    Returns:
+        The file object (binary, or text when `text`).
+
+    Raises:
+        FileExistsError: `path` exists (a file, a folder or a link: nothing is followed).
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    return os.fdopen(os.open(path, flags, mode), "w" if text else "wb")
+
+
 def create_new(path: str, data: bytes = b"", mode: int = 0o600) -> None:
     """Write a new file (`mode`, less the umask); fails on anything already there, a symbolic
     link included.
@@ -199,6 +218,91 @@ def create_new(path: str, data: bytes = b"", mode: int = 0o600) -> None:
     Raises:
         FileExistsError: `path` exists (a file, a folder or a link: nothing is followed).
     """
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    with os.fdopen(os.open(path, flags, mode), "wb") as f:
+    with open_new(path, mode) as f:
         f.write(data)
+
+
+def replace_file(path: str, data: bytes, mode: int = 0o600) -> None:
+    """Write `path` whole and at once: a new private file beside it (:func:`create_new`), then
+    renamed over it, so a link planted at either name is replaced, never written through, and
+    a crash leaves the old file or the new one, never a truncated one.
+
+    Raises:
+        OSError: the folder cannot be written in.
+    """
+    folder, name = os.path.split(os.path.abspath(path))
+    temporary = os.path.join(folder, f".{name}.{os.urandom(6).hex()}.tmp")
+    create_new(temporary, data, mode)
+    try:
+        os.replace(temporary, path)
+    except OSError:
+        os.unlink(temporary)
+        raise
+
+
+def read_regular(path: str, limit: int, what: str = "file", owned: bool = False) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes, not through a symbolic link.
+
+    For files other users may have planted or replaced: a link, a FIFO, a device (``/dev/zero``)
+    or a file larger than `limit` is refused before anything is read, and the read stops at
+    `limit` bytes whatever the file does meanwhile.
+
+    Args:
+        path: the file.
+        limit: the most bytes accepted.
+        what: what the file is, for the message.
+        owned: also refuse a file that belongs to another user (nor root).
+
+    Raises:
+        UnsafeFolder: (a PermissionError) `owned` and the file belongs to another user.
+        ValueError: it is a link, not a regular file, or larger than `limit`.
+        OSError: it cannot be opened.
+    """
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        descriptor = os.open(path, flags)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise ValueError(f"{what} {path!r} is a symbolic link; expected a regular file "
+                             f"(give the file it points to, if it is yours)") from None
+        raise
+    with os.fdopen(descriptor, "rb") as file:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{what} {path!r} is not a regular file (mode "
+                             f"{stat.filemode(info.st_mode)}); expected a file")
+        if owned and not _trusted(info.st_uid):
+            raise UnsafeFolder(f"{what} {path!r} belongs to another user ({_owner(info.st_uid)})",
+                               "Remove it or use another folder")
+        data = file.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{what} {path!r} holds more than {limit} bytes; expected at most that")
+    return data
+
+
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')  # JSON strings, escapes included
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows here")
+
+
+def load_json(data: bytes, what: str, max_depth: int = 32):
+    """Parse JSON read from a file another user may have written: nesting deeper than
+    `max_depth` and NaN / Infinity are refused before they cost anything.
+
+    Raises:
+        ValueError: not UTF-8 JSON, nested too deep, or holding NaN / Infinity.
+    """
+    depth = 0
+    brackets = _STRINGS.sub(b"", data).translate(None, _NOT_BRACKETS)
+    for char in brackets:
+        depth += 1 if char in b"[{" else -1
+        if depth > max_depth:
+            raise ValueError(f"{what}: JSON nested deeper than {max_depth} levels; expected a "
+                             f"file mgpu-launch wrote")
+    try:
+        return json.loads(data.decode("utf-8"), parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{what}: not JSON ({error})") from None

@@ -171,6 +171,9 @@ def port() -> int:
 class Monitor(threading.Thread):
     """Rank 0's side: collects the positions, warns about a stall, and may end the job."""
 
+    #: seconds after start-up when rank 0 warns about ranks that have not reached it
+    JOIN_WARNING_S = 20.0
+
     def __init__(self, server: stall_channel.PositionServer, warning_s: float,
                  shutdown_s: Optional[float]):
         super().__init__(name="mgpu-stall-monitor", daemon=True)
@@ -179,6 +182,30 @@ class Monitor(threading.Thread):
         self.positions: Dict[int, Position] = {0: _position}
         self.stopped = threading.Event()
         self.warned_at: Optional[float] = None
+        self.started, self.outside = time.monotonic(), []  # ranks warned about as outside
+
+    def missing(self) -> List[int]:
+        """The ranks that have never reached the inspector (they keep trying)."""
+        return sorted(set(range(1, self.server.size)) - self.server.joined)
+
+    def check_joined(self) -> None:
+        """Warn once when ranks are still outside :data:`JOIN_WARNING_S` after start-up, and
+        say so when they are all in after all: a rank out of the inspector is never silent."""
+        missing = self.missing()
+        if missing and not self.outside and \
+                time.monotonic() - self.started >= self.JOIN_WARNING_S:
+            self.outside = missing
+            print(f"mgpu: warning: stall inspector: {_ranks(missing)} "
+                  f"{'has' if len(missing) == 1 else 'have'} not reached rank 0's inspector "
+                  f"(port {self.server.port}) in {self.JOIN_WARNING_S:g} s; a stall there "
+                  f"would go unnoticed until {'it does' if len(missing) == 1 else 'they do'}. "
+                  f"They keep trying. Connections from outside the job may be crowding the "
+                  f"port (MGPU_STALL_PORT pinned?): see docs/security.md.",
+                  file=sys.stderr, flush=True)
+        elif self.outside and not missing:
+            print(f"mgpu: stall inspector: {_ranks(self.outside)} reached it after all; every "
+                  f"rank is inspected", file=sys.stderr, flush=True)
+            self.outside = []
 
     def run(self) -> None:
         last_move = time.monotonic()
@@ -190,6 +217,7 @@ class Monitor(threading.Thread):
                     if self.positions.get(rank) != where:
                         self.positions[rank] = where
                         last_move = time.monotonic()
+                self.check_joined()
                 self.check(time.monotonic() - last_move)
         except OSError as error:  # the listener itself failed
             if not self.stopped.is_set():
@@ -206,10 +234,18 @@ class Monitor(threading.Thread):
                 self.warned_at = None
             return
         report = stall_report(dict(self.positions), still_for)
+        missing, seen = self.missing(), report is not None
+        if report is None and missing and still_for >= self.warning_s:
+            # Every rank in the inspector waits at one place: the ones outside may be stalled.
+            where = describe(self.positions[0])
+            report = missing, (f"no rank has moved for {still_for:.0f} s (the ranks in the "
+                               f"inspector are all in {where}), and {_ranks(missing)} never "
+                               f"reached the stall inspector: the stall may be there")
         if report is None:
             return
         late, text = report
-        shutting_down = self.shutdown_s is not None and still_for >= self.shutdown_s
+        # Ends the job only for a stall it saw; an unseen rank is a warning (it may be busy).
+        shutting_down = seen and self.shutdown_s is not None and still_for >= self.shutdown_s
         if self.warned_at is None:
             self.warned_at = still_for
             print(f"mgpu: stall: {text}", file=sys.stderr, flush=True)

@@ -12,8 +12,11 @@ Connections from outside the job cannot switch the inspector off either: at most
 :attr:`PositionServer.MAX_PENDING` connections wait for their hello, each new one is safe from
 eviction for :attr:`PositionServer.ANSWER_GRACE_S` (a rank answers in one round trip; when all
 are that new, the newcomer is turned away instead), a pass reads before it evicts, a full set
-turns away another local user's newcomers at once (their sockets' owner, from /proc), and a
-rank turned away keeps trying (:class:`Reporter`).
+turns away another local user's newcomers at once (their sockets' owner, from /proc) and lets a
+connection of this user (a rank on this host) in by evicting one of another local user's, and
+a rank turned away keeps trying with back-off for the job's life (:class:`Reporter`). Rank 0
+warns when a rank has not got in (``stall.Monitor``): a rank out of the inspector is never
+silent.
 """
 
 import faulthandler
@@ -23,7 +26,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 from mgpu_launch.runtime import auth
 
@@ -58,6 +61,8 @@ class PositionServer:
         self.key, self.size = key, size
         self.peers: Dict[socket.socket, auth.ServerPeer] = {}
         self.connections: Dict[int, socket.socket] = {}  # authenticated rank -> its socket
+        self.joined: Set[int] = set()  # every rank that was authenticated once
+        self.owners: Dict[socket.socket, Optional[int]] = {}  # see _owner
         self.wake_up, self.waker = socket.socketpair()
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.listener, selectors.EVENT_READ)
@@ -95,6 +100,7 @@ class PositionServer:
             time.sleep(0.01)
             return
         if not self._room_for_one_more(sock):
+            self.owners.pop(sock, None)
             sock.close()  # a rank turned away here tries again (Reporter)
             return
         peer = auth.ServerPeer(self.key, self.size)
@@ -103,25 +109,38 @@ class PositionServer:
             sock.sendall(peer.greeting)
             self.selector.register(sock, selectors.EVENT_READ)
         except (OSError, ValueError):
+            self.owners.pop(sock, None)
             sock.close()
             return
         self.peers[sock] = peer
 
     def _room_for_one_more(self, newcomer: socket.socket) -> bool:
         """Whether a new connection may wait for its hello; when the set is full, another local
-        user's newcomer is turned away, else the oldest waiting one that had its grace period
-        to answer is evicted."""
+        user's newcomer is turned away, this user's evicts a waiting connection of another
+        local user (it cannot hold the job key), else the oldest waiting one that had its
+        grace period to answer is evicted."""
         pending = [(peer.opened, sock) for sock, peer in self.peers.items() if peer.rank is None]
         if len(pending) < self.MAX_PENDING:
             return True
-        owner = auth.local_peer_uid(newcomer)  # read only under pressure: it scans /proc
+        owner = self._owner(newcomer)  # read only under pressure: it scans /proc
         if owner is not None and owner != os.geteuid():
             return False
+        if owner is not None:  # a rank of this host: first in the queue, before strangers
+            foreign = [sock for _, sock in pending if self._owner(sock) not in (None, owner)]
+            if foreign:
+                self._drop(foreign[-1])
+                return True
         opened, oldest = min(pending, key=lambda entry: entry[0])
         if time.monotonic() - opened < self.ANSWER_GRACE_S:
             return False  # every waiting one is new: the newcomer goes, not one of them
         self._drop(oldest)
         return True
+
+    def _owner(self, sock: socket.socket) -> Optional[int]:
+        """The local user at the other end of `sock` (None: another host), looked up once."""
+        if sock not in self.owners:
+            self.owners[sock] = auth.local_peer_uid(sock)
+        return self.owners[sock]
 
     def _receive(self, sock: socket.socket, received: Dict[int, Position]) -> None:
         peer = self.peers.get(sock)
@@ -136,10 +155,12 @@ class PositionServer:
             return
         if peer.rank is not None:
             self.connections[peer.rank] = sock
+            self.joined.add(peer.rank)
             if positions:
                 received[peer.rank] = positions[-1]
 
     def _drop(self, sock: socket.socket) -> None:
+        self.owners.pop(sock, None)
         peer = self.peers.pop(sock, None)
         if peer is not None and self.connections.get(peer.rank) is sock:
             del self.connections[peer.rank]

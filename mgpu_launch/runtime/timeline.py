@@ -42,7 +42,7 @@ import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from mgpu_launch.runtime import timeline_signals, trace_files
+from mgpu_launch.runtime import folders, timeline_signals, trace_files
 from mgpu_launcher import settings
 
 #: slices each rank keeps (the oldest go first): about 10 MiB, some 15,000 steps of fit
@@ -231,11 +231,13 @@ def start(path: str, state) -> None:
     """Record every rank's timeline, to be written to `path` by :func:`stop` (collective).
 
     Args:
-        path: the trace file rank 0 writes (a missing folder is made, mode 0700).
+        path: the trace file rank 0 writes, mode 0600 (a missing folder is made, mode 0700).
         state: the runtime state (``mgpu_launch.runtime.state``).
 
     Raises:
         ValueError: `path` is empty.
+        mgpu_launch.runtime.folders.UnsafeFolder: (a PermissionError) another user could
+            change the file's folder or its path (``runtime/folders.py``).
         mgpu_launch.runtime.NotInitializedError: before ``mgpu.init()``.
 
     Example:
@@ -245,8 +247,12 @@ def start(path: str, state) -> None:
     if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
         raise ValueError(f"the timeline file: expected a path, e.g. 'timeline.json'; got "
                          f"{path!r}")
+    absolute = os.path.abspath(os.fspath(path))
+    # Checked now, not at the end of training: another user's folder or link on the path
+    # would decide where every rank's trace goes (write_document checks it again then).
+    folders.private_folder(os.path.dirname(absolute), "the timeline file's folder")
     ensure_recording(state)
-    _path = os.path.abspath(os.fspath(path))
+    _path = absolute
     timeline_signals.install(dump_own)  # a rank ended by SIGTERM leaves FILE.rank<N>.json
 
 

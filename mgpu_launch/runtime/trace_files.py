@@ -11,11 +11,15 @@ named ``rank N``), one thread track per recording thread and ``"X"`` (complete) 
 
 import json
 import os
-import secrets
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from mgpu_launch.runtime import folders
+
+#: the largest trace file ``merge`` reads (a rank's dump of a full recorder is ~20 MB)
+MAX_BYTES = 1 << 30
+#: the deepest JSON nesting ``merge`` reads (trace events nest 4 deep)
+MAX_DEPTH = 32
 
 #: the parent-phase field of a slice that had not ended when it was written (a dump)
 OPEN = "(open)"
@@ -61,31 +65,36 @@ def trace_events(gathered: Sequence[Tuple[List[Slice], Dict[int, str]]], first_r
 
 
 def write_document(path: str, document: Dict[str, Any]) -> None:
-    """Write `document` as JSON to `path` atomically: a new temporary file beside it, created
-    with ``O_EXCL | O_NOFOLLOW``, renamed over it (a link planted at either name is replaced,
-    never written through). A missing folder is made with mode 0700.
+    """Write `document` as JSON to `path` atomically, readable by this user only (0600).
+
+    The folder passes ``folders.private_folder`` first (a missing one is made, mode 0700): a
+    folder or a link of another user on the path would decide where the trace goes. The file
+    is a new temporary one beside it, created with ``O_EXCL | O_NOFOLLOW`` and renamed over
+    it, so a link at either name is replaced, never written through.
 
     Raises:
+        mgpu_launch.runtime.folders.UnsafeFolder: (a PermissionError) another user could
+            change the folder or its path; the message says which and how to fix it.
         OSError: the folder cannot be made or written in.
     """
-    folder = os.path.dirname(path)
-    os.makedirs(folder, mode=0o700, exist_ok=True)
-    temporary = os.path.join(folder, f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
-    folders.create_new(temporary, json.dumps(document).encode(), mode=0o644)
-    try:
-        os.replace(temporary, path)
-    except OSError:
-        os.unlink(temporary)
-        raise
+    folder = folders.private_folder(os.path.dirname(os.path.abspath(path)), "the timeline's "
+                                    "folder")
+    folders.replace_file(os.path.join(folder, os.path.basename(path)),
+                         json.dumps(document).encode(), mode=0o600)
 
 
 def merge(paths: Sequence[str]) -> Dict[str, Any]:
     """One trace document of several trace files, their events side by side (each file's
     ranks and times kept as they are).
 
+    Each file must be a regular file (no link, FIFO or device) of at most :data:`MAX_BYTES`,
+    JSON nested at most :data:`MAX_DEPTH` deep: what another user left in a shared folder
+    cannot make the merge block, run out of memory, or copy a file it reached through a link.
+
     Raises:
         OSError: a file cannot be read.
-        ValueError: a file is not a trace-event JSON object with a ``traceEvents`` list.
+        ValueError: a file is not a trace-event JSON object with a ``traceEvents`` list, or is
+            refused by the checks above (the message says which).
 
     Example:
         >>> merge(["t.json.rank0.json", "t.json.rank1.json"])["traceEvents"][0]["pid"]
@@ -93,11 +102,8 @@ def merge(paths: Sequence[str]) -> Dict[str, Any]:
     """
     events: List[Dict[str, Any]] = []
     for path in paths:
-        with open(path) as file:
-            try:
-                document = json.load(file)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}: not JSON ({error})") from None
+        document = folders.load_json(folders.read_regular(path, MAX_BYTES, "the trace file"),
+                                     path, MAX_DEPTH)
         if not isinstance(document, dict) or not isinstance(document.get("traceEvents"), list):
             raise ValueError(f"{path}: expected a trace-event JSON object with a "
                              f"'traceEvents' list (a timeline file of mgpu-launch)")

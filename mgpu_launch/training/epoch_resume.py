@@ -11,10 +11,10 @@ rebuilt) and for data without shuffling; ``fit(shuffle=True)`` cannot be replaye
 """
 
 import contextlib
-import json
 import warnings
 
 from mgpu_launch import keras_internals
+from mgpu_launch.runtime import folders
 
 _training_data = None  # fit's x while a patched fit runs (BackupAndRestore asks its position)
 _warned_shuffle = []
@@ -91,10 +91,10 @@ def checked_state(text: str, extra_keys=()) -> dict:
     Raises:
         BadBackup: anything else (the message says which key and what it holds).
     """
-    try:
-        state = json.loads(text)
+    try:  # bounded depth, NaN / Infinity refused: the writer never writes them
+        state = folders.load_json(text.encode("utf-8", "replace"), "its state")
     except ValueError as error:
-        raise BadBackup(f"its state is not JSON ({error})") from None
+        raise BadBackup(f"its state is refused: {error}") from None
     if not isinstance(state, dict):
         raise BadBackup(f"its state is a {type(state).__name__}, not a JSON object")
     unknown = sorted(set(state) - set(STATE_KEYS) - set(extra_keys))

@@ -167,8 +167,11 @@ def test_a_commit_with_a_pickle_inside_is_never_unpickled(tmp_path):
     entries["mgpu_state"] = np.array([os.system], dtype=object)  # would need a pickle
     np.savez(folder / "commit-1.npz", **entries)
     state = _object_state(folder, epoch=0)
-    with pytest.warns(UserWarning, match=r"cannot read .*commit-1.npz \(.*pickle"):
-        assert _run(state) == [{"epoch": 0}]  # no readable commit: from the start
+    # Refused by its header (an object array), before numpy's loader sees it (issue 51).
+    with pytest.raises(ValueError, match=r"refused the commit .*commit-1.npz: its mgpu_state "
+                                         r"entry is a object array of shape \(1,\), not one text"):
+        _run(state)
+    assert state.epoch == 0
 
 
 def test_a_planted_commit_in_a_folder_of_another_user_is_refused(tmp_path, monkeypatch):
@@ -312,3 +315,86 @@ def test_a_commit_of_other_variables_is_refused_and_changes_nothing(tmp_path):
                                              rf".*commit-1.npz: {why}"):
             _run(state)
         assert not variables[0].numpy().any() and state.batch == 0
+
+
+# --- issue 51, item 4: a commit is checked by its headers before its data is read ----------
+
+
+def _store_with_commit(folder, like):
+    from mgpu_launch.horovod.elastic_store import CommitStore
+    store = CommitStore(str(folder), "TensorFlowState")
+    store.save({"epoch": 1, "best": 0.5}, like)
+    return store, folder / "commit-1.npz"
+
+
+def _replace_entry(path, name, npy_bytes, zeros=0):
+    """Rewrite one entry of a commit as raw .npy bytes (header and data of one's choosing),
+    followed by `zeros` zero bytes, streamed (this process never holds them)."""
+    import zipfile
+    with zipfile.ZipFile(path) as archive:
+        entries = {info.filename: archive.read(info) for info in archive.infolist()}
+    entries.pop(f"{name}.npy")
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+        for entry, data in entries.items():
+            archive.writestr(entry, data)
+        with archive.open(f"{name}.npy", "w", force_zip64=True) as entry:
+            entry.write(npy_bytes)
+            chunk = bytes(1 << 20)
+            for _ in range(zeros >> 20):
+                entry.write(chunk)
+
+
+def _npy(shape, dtype="<f4", data=b""):
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        buffer, {"descr": dtype, "fortran_order": False, "shape": shape})
+    return buffer.getvalue() + data
+
+
+def _peak_rss_mb():
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _load(store, like):
+    return store.load_everywhere(lambda attributes: attributes, like)
+
+
+def test_a_commit_is_refused_by_its_headers_before_its_data_is_read(tmp_path):
+    # The attacker's equivalent here is whoever else writes in the job's own folder (the
+    # folder check keeps other users out): what they plant must cost nothing to refuse.
+    from mgpu_launch.training.epoch_resume import BadBackup
+    like = [np.zeros((4, 3), np.float32)]
+    store, path = _store_with_commit(tmp_path / "state", like)
+    assert _load(store, like)[1] == {"epoch": 1, "best": 0.5}
+    # A tiny file whose header claims 8 TiB: refused by the header, no MemoryError.
+    _replace_entry(path, "v0", _npy((1 << 41,), data=b"\0" * 16))
+    with pytest.raises(BadBackup, match=r"v0 is float32 of shape \(2199023255552,\); "
+                                        r"variable 0 of the state is float32 of shape \(4, 3\)"):
+        _load(store, like)
+    # Half a GiB of zeros, compressed to half a MiB, of the wrong shape: never inflated.
+    before = _peak_rss_mb()
+    _replace_entry(path, "v0", _npy((8192, 16384)), zeros=8192 * 16384 * 4)
+    assert path.stat().st_size < 2 << 20
+    with pytest.raises(BadBackup, match=r"v0 is float32 of shape \(8192, 16384\)"):
+        _load(store, like)
+    assert _peak_rss_mb() - before < 200, "the refused commit's data was read"
+    # The header's shape matches but the data is short or long: refused, not half-read.
+    _replace_entry(path, "v0", _npy((4, 3), data=b"\0" * 4))
+    with pytest.raises(BadBackup, match=r"v0 holds 4 bytes of data; its header says 48"):
+        _load(store, like)
+
+
+@pytest.mark.parametrize("text, why", [
+    ('{"size": 1, "elastic_state": {"epoch": 1, "best": NaN}}', "NaN is not a number"),
+    ('{"size": 1, "elastic_state": {"epoch": 1, "best": Infinity}}', "Infinity is not a number"),
+    ('{"size": 1, "elastic_state": ' + "[" * 100000 + "]" * 100000 + "}",
+     "nested deeper than 32 levels"),
+])
+def test_a_commits_state_text_with_nan_or_deep_nesting_is_refused(tmp_path, text, why):
+    from mgpu_launch.training.epoch_resume import BadBackup
+    like = [np.zeros((2,), np.float32)]
+    store, path = _store_with_commit(tmp_path / "state", like)
+    _replace_entry(path, "mgpu_state", _npy((), f"<U{len(text)}", text.encode("utf-32-le")))
+    with pytest.raises(BadBackup, match=f"commit-1.npz: its state is refused: .*{why}"):
+        _load(store, like)

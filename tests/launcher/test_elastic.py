@@ -8,11 +8,15 @@ ids of the samples every step trained on, and elastickit counts those that survi
 import collections
 import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
 import elastickit
-from conftest import SCRIPTS, explain, launch, launch_ok, requires_mpirun
+from conftest import ROOT, SCRIPTS, explain, launch, launch_ok, requires_mpirun
 
 RESIZE = os.path.join(SCRIPTS, "resize_ids.py")
 SAMPLES = 64
@@ -337,3 +341,50 @@ def test_a_host_offering_fewer_slots_than_min_np_stops_the_job(tmp_path):
     assert elastickit.sizes(out) == [2]
     assert os.listdir(tmp_path / "backup"), "the job stopped at a backup point: one is there"
     _nothing_left(out)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_mgpu_train_stopped_during_discovery_leaves_no_process_of_the_script(tmp_path, signum):
+    # Issue 51, item 5: SIGTERM to an elastic mgpu-train while its discovery script ran left
+    # the script's background child running (SIGINT did not).
+    pids = tmp_path / "pids"
+    script = elastickit.executable(tmp_path / "discover.sh", f"""
+        sleep 300 >/dev/null 2>&1 &
+        echo $! $$ > {pids}.tmp && mv {pids}.tmp {pids}
+        sleep 60
+        echo localhost:2""")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "mgpu_launcher", "-np", "2",
+                             "--host-discovery-script", script, "-c", "pass"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not pids.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert pids.exists(), proc.communicate(timeout=30)[0] if proc.poll() is not None else \
+            "the discovery script did not start in 30 s"
+        children = [int(pid) for pid in pids.read_text().split()]
+        proc.send_signal(signum)
+        status = proc.wait(timeout=30)
+        assert status == 128 + signum, proc.stdout.read()
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(pid) for pid in children), "a process of the script was left"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if pids.exists():  # on a failure, still leave nothing: the script leads its group
+            try:
+                os.killpg(int(pids.read_text().split()[1]), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -15,7 +15,7 @@ from mgpu_launcher.settings import SETTINGS, SettingError, SettingWarning
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 #: the value each checked type refuses (text takes anything)
 BAD = {"integer": "two", "number": "big", "seconds": "soon", "flag": "maybe",
-       "choice": "nonsense", "address": "no-port"}
+       "choice": "nonsense", "address": "no-port", "ipv4": "no-ip"}
 
 
 @pytest.fixture(autouse=True)
@@ -102,6 +102,19 @@ def test_mgpu_train_refuses_a_bad_value_of_any_variable(name, argv, monkeypatch,
     assert err.startswith(f"mgpu-train: error: {name}={value!r}: expected ") and \
         f"e.g. {name}=" in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("value", ["::", "::1", "[fe80::1]"])
+def test_an_ipv6_bind_address_is_refused_at_the_start_with_the_reason(value, monkeypatch,
+                                                                      capsys):
+    # Issue 51, item 5: '::' passed the check, then every rank failed init with advice about
+    # the stall inspector's port, not the address family.
+    monkeypatch.setenv("MGPU_BIND_ADDRESS", value)
+    assert cli.main(["-np", "2", "-c", "raise SystemExit(5)"]) == 2  # the program never ran
+    err = capsys.readouterr().err
+    assert f"MGPU_BIND_ADDRESS={value!r}: an IPv6 address; the job's listeners" in err, err
+    assert "bind IPv4 only. Expected an IPv4 address of rank 0's host" in err, err
+    assert settings.text("MGPU_BIND_ADDRESS", {"MGPU_BIND_ADDRESS": "0.0.0.0"}) == "0.0.0.0"
 
 
 def test_a_bad_value_given_with_x_is_refused_too(capsys):

@@ -228,3 +228,59 @@ def test_a_connection_flood_from_start_up_does_not_shut_a_rank_out(monkeypatch):
             watcher.stop()
         else:
             server.close()
+
+
+CYCLING_FLOOD = textwrap.dedent("""
+    import socket, sys, time
+    port, until = int(sys.argv[1]), time.monotonic() + float(sys.argv[2])
+    held = []
+    while time.monotonic() < until:  # 16 connections, all closed and reopened twice a second
+        for sock in held:
+            sock.close()
+        held = []
+        for _ in range(16):
+            try:
+                held.append(socket.create_connection(("127.0.0.1", port), timeout=2))
+            except OSError:
+                pass
+        time.sleep(0.5)
+""")
+
+
+def test_a_cycling_flood_on_a_pinned_port_lets_a_rank_in_and_one_outside_is_warned_about(
+        monkeypatch, capfd):
+    # Issue 51, item 3: another local user's 16 connections, renewed twice a second, always
+    # within the 2 s answer grace: a rank's connection found the set full and was turned away
+    # for the whole flood. Rank 2 never comes: rank 0 must say so, and a stall with rank 2
+    # unseen must be reported, not silent.
+    monkeypatch.setattr(stall, "_position", (6, stall.TRAIN_STEP, ""))
+    monkeypatch.setattr(stall.Monitor, "JOIN_WARNING_S", 2.0, raising=False)
+    key = auth.new_key()
+    server = stall_channel.PositionServer("127.0.0.1", 0, key, 3)
+    flood = subprocess.Popen(_as_nobody() + [sys.executable, "-I", "-c", CYCLING_FLOOD,
+                                             str(server.port), "20"])
+    watcher = stall.Monitor(server, warning_s=3.0, shutdown_s=None)
+    watcher.start()
+    reporter = None
+    try:
+        time.sleep(1.5)  # the flood holds every place in the queue
+        reporter = stall_channel.Reporter(
+            1, lambda: auth.connect("127.0.0.1", server.port, key, 1, timeout=10),
+            lambda: (6, stall.TRAIN_STEP, "waiting with rank 0"), interval=0.2)
+        reporter.start()
+        deadline, err = time.monotonic() + 10, ""
+        while watcher.positions.get(1) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert watcher.positions.get(1) is not None, "rank 1 was kept out by the flood"
+        assert flood.poll() is None, "the flood ended before rank 1 got in: proves nothing"
+        while time.monotonic() < deadline + 5 and "never reached the stall inspector" not in err:
+            time.sleep(0.2)
+            err += capfd.readouterr().err
+        assert "rank 2 has not reached rank 0's inspector" in err, err
+        assert "rank 2 never reached the stall inspector: the stall may be there" in err, err
+    finally:
+        flood.kill()
+        flood.wait()
+        if reporter is not None:
+            reporter.stop()
+        watcher.stop()
