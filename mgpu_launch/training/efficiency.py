@@ -48,6 +48,7 @@ What is left, the step's compute, is not lost. The first step of each fit (traci
 compilation) is left out.
 """
 
+import math
 import statistics
 from typing import Dict, Optional, Sequence
 
@@ -173,6 +174,41 @@ def analyse(ranks: Sequence[Sequence[tuple]], batch_size: Optional[int],
             "rates": [len(analysed) / max(t["window"] / 1e9, 1e-9) for t in totals]}
 
 
+def plain(value: float, digits: int = 3) -> str:
+    """`value` to `digits` significant digits, never in exponent notation (``.3g`` prints
+    1060 as ``1.06e+03``): 1060 -> "1060", 16.94 -> "16.9", 6.0 -> "6", 0.01234 -> "0.0123".
+
+    Example:
+        >>> plain(1062.4), plain(6.0), plain(0.0123456)
+        ('1062', '6', '0.0123')
+    """
+    if value == 0 or not math.isfinite(value):
+        return f"{value:.0f}"
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(value))))
+    text = f"{value:.{decimals}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def duration(seconds: float) -> str:
+    """A time in ms, or in s from one second up: "0.85 ms", "6 ms", "16.9 ms", "1.06 s".
+
+    Example:
+        >>> duration(1.0624), duration(0.006), duration(0.00085)
+        ('1.06 s', '6 ms', '0.85 ms')
+    """
+    if abs(seconds) >= 0.9995:  # what would round to "1000 ms"
+        return f"{plain(seconds)} s"
+    return f"{plain(1e3 * seconds)} ms"
+
+
+def size_words(nbytes: float) -> str:
+    """A byte count in GB / MB / KB: "16.9 MB", "1.07 GB", "512 bytes"."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= 0.9995 * scale:  # what would round to "1000" of the unit below
+            return f"{plain(nbytes / scale)} {unit}"
+    return f"{nbytes:.0f} bytes"
+
+
 _WORDS = {"input": "its input", "callbacks": "callbacks", "other": "other host work",
           "unknown": "no phase of its own"}
 
@@ -207,7 +243,7 @@ def advice(figures: Dict) -> str:
                 ".prefetch(tf.data.AUTOTUNE)")
     if largest == "wait" and figures["late"] is not None:
         rank, behind, _, cause = figures["late"]  # ms, not a ratio to a step of a few ms
-        return (f"rank {rank} arrives {behind / 1e6:.0f} ms a step after the others, in "
+        return (f"rank {rank} arrives {duration(behind / 1e9)} a step after the others, in "
                 f"{_WORDS[cause]}: another job on its GPU or CPU, or work only it does?")
     if largest == "wait":
         return "ranks take turns being late: look at the timeline (MGPU_TIMELINE=FILE)"
@@ -222,15 +258,15 @@ def render(figures: Dict) -> str:
     unit, scale = ("samples/s", batch) if batch else ("steps/s", 1)
     lines = [f"mgpu: efficiency of fit, steps {first}-{last} on {len(rates)} "
              f"rank{'s' if len(rates) > 1 else ''} ({figures['seconds']:.1f} s):",
-             f"  throughput: {sum(rates) * scale:.4g} {unit} in total; per rank: "
-             + ", ".join(f"{rate * scale:.4g}" for rate in rates)
+             f"  throughput: {plain(sum(rates) * scale, 4)} {unit} in total; per rank: "
+             + ", ".join(plain(rate * scale, 4) for rate in rates)
              + ("" if batch else " (batch size unknown)")]
     shares = figures["shares"]
     lost = (shares["input"] + shares["wait"] + shares.get("comm", 0.0) + shares["callbacks"]
             + shares["other"])
     lines.append(f"  lost: {100 * lost:.0f}% of the ranks' time")
     late = figures["late"]
-    who = (f"rank {late[0]}, {late[1] / 1e6:.0f} ms a step behind the others "
+    who = (f"rank {late[0]}, {duration(late[1] / 1e9)} a step behind the others "
            f"({_WORDS[late[3]]})" if late else "")
     rows = [("input wait", shares["input"], ""), ("waiting for a slower rank", shares["wait"], who)]
     communication = figures.get("communication")
@@ -252,14 +288,13 @@ def _communication(communication: Optional[Dict]) -> str:
         return ""
     if "seconds" not in communication:
         return f"not measured: {communication['note']}"
-    size = communication["bytes"]
-    size = (f"{size / 1e6:.3g} MB" if size >= 1e6 else f"{size / 1e3:.3g} KB" if size >= 1e3
-            else f"{size} bytes")
+    size = size_words(communication["bytes"])
     codec = communication.get("compression", "none")
     size += "" if codec == "none" else f", sent as {codec}"
     every = communication.get("every", 1)
-    took = (f"the gradient allreduce ({size}) takes {1e3 * communication['seconds'] * every:.3g}"
-            f" ms alone" + (f", once every {every} steps" if every > 1 else ""))
+    took = (f"the gradient allreduce ({size}) takes "
+            f"{duration(communication['seconds'] * every)} alone"
+            + (f", once every {every} steps" if every > 1 else ""))
     if communication["overlaps"]:
         return took + ", an upper bound: this engine overlaps it with the backward pass"
     return took + "; this engine reduces after the backward pass, so none of it overlaps"

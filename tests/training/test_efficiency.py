@@ -57,7 +57,8 @@ def test_an_allreduce_that_dominates_is_named_communication():
     others = [report[share] for share in SHARES if share != "communication"]
     assert report["communication"] >= 30, result.stdout
     assert report["communication"] > max(others), result.stdout
-    assert re.match(r"the gradient allreduce \(16\.9 MB\) takes [\d.]+ ms alone",
+    # plain units (a loaded box takes over a second: "1.06 s", never "1.06e+03 ms")
+    assert re.match(r"the gradient allreduce \(16\.9 MB\) takes [\d.]+ m?s alone",
                     report["who"]["communication"]), result.stdout
     assert report["advice"].startswith("communication:"), result.stdout
 

@@ -119,3 +119,18 @@ def test_the_ranks_timings_are_combined_into_one():
     assert median["seconds"] == pytest.approx(0.005) and median["bytes"] == 4_194_304
     failed = {"note": "its timing failed on rank 1 (RuntimeError: lost)"}
     assert combined([timed(0.004), failed]) == failed
+
+
+def test_times_sizes_and_rates_print_in_plain_units_never_in_exponent_notation():
+    # A 1.06 s allreduce of 1.2 GB on a loaded box (the .3g format printed "1.06e+03 ms"), and
+    # a throughput above 10000 samples/s (.4g printed "1.2e+04").
+    ranks = [rank_slices(0.1, 1100)] * 2
+    communication = dict(timed(1.0624), bytes=1_234_000_000)
+    text = efficiency.render(efficiency.analyse(ranks, 32, communication))
+    assert "the gradient allreduce (1.23 GB) takes 1.06 s alone" in text, text
+    fast = efficiency.render(efficiency.analyse([rank_slices(0.01, 0.5)] * 2, 8, None))
+    assert "throughput: 31373 samples/s in total; per rank: 15686, 15686" in fast, fast
+    for value, words in ((0.006, "6 ms"), (0.0169, "16.9 ms"), (0.00085, "0.85 ms"),
+                         (0.9996, "1 s"), (125.34, "125 s")):
+        assert efficiency.duration(value) == words
+    assert "e+" not in text + fast
