@@ -9,6 +9,7 @@ batch of 2, whose gradient allreduce dominates the step. MODE ``plain``: none of
 MODE ``crash``: rank 1 raises in a callback before step FAULT_STEP. MODE ``stall``: rank 1
 sleeps 120 s there (the stall inspector ends the job). MODE ``sigterm``: rank 1 sends itself
 SIGTERM there and sleeps (what Slurm's time limit or mpirun's teardown does to a rank).
+MODE ``small``: a job too small to judge: 3 epochs of 8 steps, each validated on 8 batches.
 Rank 0 prints the report (verbose=2).
 """
 
@@ -24,7 +25,8 @@ import mgpu_launch as mgpu
 mgpu.init()
 import keras  # noqa: E402
 
-MODE, SLEEP, BATCHES, FAULT_STEP = sys.argv[1], 0.04, 24, 10
+MODE, SLEEP, FAULT_STEP = sys.argv[1], 0.04, 10
+BATCHES, EPOCHS = (8, 3) if MODE == "small" else (24, 1)
 BATCH = 2 if MODE == "comm" else 16
 
 
@@ -67,4 +69,5 @@ else:
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
                               keras.layers.Dense(1)])
 model.compile(optimizer=mgpu.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
-model.fit(Batches(), epochs=1, verbose=2 if mgpu.rank() == 0 else 0, callbacks=[SlowRank()])
+model.fit(Batches(), epochs=EPOCHS, verbose=2 if mgpu.rank() == 0 else 0, callbacks=[SlowRank()],
+          validation_data=Batches() if MODE == "small" else None)
