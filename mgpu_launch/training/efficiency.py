@@ -333,7 +333,8 @@ def _throughput(figures: Dict, short: bool = False) -> str:
         + ("" if batch else " (batch size unknown)")))
     step = sum(figures.get("step_rates", rates)) * scale
     if step > 1.2 * sum(rates) * scale:
-        text += (f"; {plain(step, 4)} in a median step (ThroughputCallback's samples_per_sec)"
+        text += (f"; {plain(step, 4)} in a median step"
+                 + (" (ThroughputCallback's samples_per_sec)" if batch else "")
                  + ("" if short else ": the rest of the time is between the steps "
                     "(validation, epoch ends, slower steps)"))
     return text
