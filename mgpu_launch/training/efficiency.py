@@ -307,9 +307,10 @@ def too_small(figures: Dict) -> Optional[str]:
     if comm:
         parts.append((comm, f"the allreduce of {size_words(figures['communication']['bytes'])}"
                             f" {duration(comm)}"))
-    if epoch and figures.get("epochs"):
-        parts.append((epoch, "validation and epoch ends "
-                             f"{duration(epoch * steps / figures['epochs'])} an epoch"))
+    if epoch:  # per epoch where the fit ended one in the steps analysed
+        parts.append((epoch, "validation and epoch ends " + (
+            f"{duration(epoch * steps / figures['epochs'])} an epoch" if figures.get("epochs")
+            else f"{duration(epoch)} a step")))
     parts = ", ".join(words for _, words in sorted(parts, reverse=True))
     return (f"{_header(figures)} not judged, the fit is too small: a step computes "
             f"{duration(step)}, and fixed costs add {duration(loop + epoch + comm)} a step "
