@@ -1,6 +1,6 @@
 """The full recipe on real data that ships with scikit-learn (8x8 handwritten digits).
 
-    mgpu-train -np 2 examples/keras_digits.py      # the README's quick start: ~30 s on 2 CPU cores
+    mgpu-train -np 2 examples/keras_digits.py      # the README's quick start: ~1 min on 2 CPU cores
 
 Each rank trains on its own equal shard of the 1437 training images; the learning rate is the
 one-process rate scaled by the number of processes, reached through a warm-up (Goyal et al.);

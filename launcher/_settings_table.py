@@ -183,6 +183,11 @@ SETTINGS: Dict[str, Setting] = _declare(
     _("MGPU_MERGE_SECONDS", "seconds", DEFAULT_WINDOW, LAUNCHER,
       "how long a stderr line waits for the other ranks' copies, to be shown once (0: never "
       "merge)", low=0, expected="a number of seconds >= 0 (0 turns merging off)", example="3"),
+    _("MGPU_STARTUP_NOISE", "flag", False, LAUNCHER,
+      "show the frameworks' start-up chatter that mgpu-train drops (absl's `All log messages "
+      "before absl::InitializeLog()`, TF's per-rank `Started server with target`, JAX's "
+      "`[Gloo] Rank N is connected`) or shows once a job (TF's oneDNN / CPU / CUDA notices, "
+      "which it prints twice a process); `--all-ranks-output` shows them too"),
     _("MGPU_SLOTS_PER_HOST", "integer", None, LAUNCHER,
       "processes per host named without slots (a bare name in a hostfile or discovery "
       "output), as `--slots-per-host`", low=1, expected="a whole number of processes per "

@@ -7,6 +7,13 @@ other ranks print the same line (up to the time and process id of a glog prefix)
 printed once as ``[0-7] text``. A line the other ranks do not repeat in time is printed with
 the ranks that did.
 
+The frameworks' start-up chatter goes further (:data:`DROPPED`, :data:`ONCE`): TensorFlow
+prints absl's notice and its oneDNN notice twice in one process, a ``grpc_server_lib ...
+Started server with target`` line per rank (each with its own port), JAX ``[Gloo] Rank N is
+connected to M peer ranks``. Those that say nothing a user acts on are dropped; the notices
+worth seeing once are shown once per job. ``MGPU_STARTUP_NOISE=1`` (or
+``--all-ranks-output``) shows them all again, merged as any other line.
+
 Never merged, never held: anything that looks like an error (a traceback and whatever follows
 it on that rank, glog E/F lines, lines naming an Error or Exception, the launcher's failure
 marker). Before such a line, everything its rank has pending is printed first, so a rank's
@@ -22,6 +29,15 @@ from typing import Callable, List, Optional
 DEFAULT_WINDOW = 3.0
 # glog's prefix: severity, date, time, thread id. Only "I file:line]" is kept for comparison.
 _GLOG = re.compile(r"^([IWEF])\d{4} [\d:.]+\s+\d+ ")
+#: start-up lines dropped: they tell of the machinery, nothing a user acts on
+DROPPED = re.compile(
+    r"^WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR$|"
+    r"^I\d{4} [\d:.]+\s+\d+ grpc_server_lib\.cc:\d+\] Started server with target: |"
+    r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\.")
+#: start-up notices shown once per job (TF prints them again in the same process)
+ONCE = re.compile(r"^I port\.cc:\d+\] oneDNN custom operations are on\.|"
+                  r"^I cpu_feature_guard\.cc:\d+\] |^I cudart_stub\.cc:\d+\] |"
+                  r"^To enable the following instructions: ")
 _ERRORISH = re.compile(r"Traceback \(most recent call last\)|Error\b|Error:|Exception\b|"
                        r"^[EF]\d{4} |^\s+File \"|mgpu-train: rank failure|FATAL|Fatal")
 
@@ -64,11 +80,15 @@ class LineMerger:
             lines wait for the window.
         window: seconds a line waits for copies from other ranks.
         clock: time source (tests).
+        quiet: drop the :data:`DROPPED` start-up lines and show each :data:`ONCE` notice
+            once per job (False: ``MGPU_STARTUP_NOISE=1``).
     """
 
     def __init__(self, emit: Callable[[str, str], None], size: Optional[int] = None,
-                 window: float = DEFAULT_WINDOW, clock: Callable[[], float] = time.monotonic):
+                 window: float = DEFAULT_WINDOW, clock: Callable[[], float] = time.monotonic,
+                 quiet: bool = True):
         self.emit, self.size, self.window, self.clock = emit, size, window, clock
+        self.quiet, self.shown = quiet, set()  # the ONCE notices already queued
         self.queue: List[_Pending] = []
         self.tracing = set()  # ranks that printed a traceback: pass everything through
         self.lock = threading.RLock()
@@ -82,13 +102,27 @@ class LineMerger:
                 self.emit(f"[{rank}]", text)
                 return
             key = normalize(text)
+            if self.drops(text):
+                return
+            once = self.quiet and ONCE.search(key)
+            if once and key in self.shown and all(p.key != key for p in self.queue):
+                return  # shown already: TF's second copy in a process, or a late rank's
             for pending in self.queue:
+                if once and pending.key == key:  # a copy of the same rank joins it too
+                    pending.ranks += [] if rank in pending.ranks else [rank]
+                    break
                 if pending.key == key and rank not in pending.ranks:
                     pending.ranks.append(rank)
                     break
             else:
                 self.queue.append(_Pending(key, text, rank, self.clock()))
+                if once:
+                    self.shown.add(key)
             self._release()
+
+    def drops(self, text: str) -> bool:
+        """Whether a line is chatter to drop (for stdout, which is not merged: JAX's Gloo line)."""
+        return self.quiet and bool(DROPPED.search(text))
 
     def tick(self) -> None:
         """Print what waited long enough (call periodically)."""

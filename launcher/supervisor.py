@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Callable, Deque, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple
 
-from mgpu_launcher import merge, sessions
+from mgpu_launcher import merge, sessions, settings
 from mgpu_launcher.mpirun import Flavour
 from mgpu_launcher.worker import (BACKUP_MARKER, FAILURE_MARKER, PROGRESS_MARKER, RESIZE_MARKER,
                                   STALL_MARKER)
@@ -80,10 +80,12 @@ class OutputRelay:
                  stdout: TextIO, stderr: TextIO, size: Optional[int] = None,
                  merge_window: Optional[float] = None):
         self.flavour, self.all_ranks, self.output_dir = flavour, all_ranks, output_dir
-        # Identical stderr lines of several ranks once, tagged [0-3] (not with all_ranks).
+        # Identical stderr lines of several ranks once, tagged [0-3] (not with all_ranks), and
+        # the frameworks' start-up chatter dropped or once (MGPU_STARTUP_NOISE=1: all of it).
         window = merge.DEFAULT_WINDOW if merge_window is None else merge_window
         self.merger = None if all_ranks or window <= 0 else merge.LineMerger(
-            self._print_stderr, size=size, window=window)
+            self._print_stderr, size=size, window=window,
+            quiet=not settings.flag("MGPU_STARTUP_NOISE"))
         self.stdout, self.stderr = stdout, stderr
         self.tails: Dict[int, Deque[str]] = collections.defaultdict(
             lambda: collections.deque(maxlen=TAIL_LINES))
@@ -132,6 +134,8 @@ class OutputRelay:
                     self.first_failure = _failure_in(rank, marked)
             if stream == "stderr" and self.merger is not None:
                 self.merger.line(rank, text)
+            elif self.merger is not None and self.merger.drops(text):
+                return  # start-up chatter some frameworks print on stdout (JAX's Gloo line)
             elif stream == "stderr" or rank == 0 or self.all_ranks:
                 target = self.stderr if stream == "stderr" else self.stdout
                 print(f"[{rank}] {text}", file=target, flush=True)

@@ -3,7 +3,8 @@
 # (default python3). The one install command of both CI (scripts/test.sh) and the Dockerfile,
 # so the image installs exactly what CI installs and tests.
 #
-#   scripts/install.sh test,tensorflow-cpu          # what scripts/test.sh runs by default
+#   scripts/install.sh test,tensorflow-cpu,jax,torch   # what scripts/test.sh installs by default
+#                                                      # (one backend extra per MGPU_TEST_BACKENDS)
 #   PYTHON=/opt/venv/bin/python scripts/install.sh tensorflow    # the Dockerfile
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -7,13 +7,19 @@ with the timeline recorder (``mgpu_launch.runtime.timeline``), times the gradien
 alone at its end, and rank 0 prints, when its ``verbose`` is 1 or more::
 
     mgpu: efficiency of fit, steps 2-60 on 2 ranks (3.1 s):
-      throughput: 310 samples/s in total; per rank: 155, 155
+      throughput: 310 samples/s in total over the fit; per rank: 155, 155
       lost: 60% of the ranks' time
         input wait                    1%
         waiting for a slower rank    45%  rank 1, 52 ms a step behind the others (callbacks)
         communication                12%  the gradient allreduce (4.2 MB) takes 6.1 ms alone; ...
         the rest                      2%  callbacks, validation, Keras's loop
       advice: rank 1 arrives 52 ms a step after the others, in callbacks: ...
+
+A job too small to judge gets one line instead (:func:`too_small`): its steps compute for
+less time than the fixed costs every step pays (Keras's loop, validation and epoch ends, a
+small allreduce's latency), which it names with their measured times. Where a median step is
+much faster than the fit's average (ThroughputCallback's ``samples_per_sec`` is a median
+step's), the throughput line gives both. Times print in ms or s, never in exponent notation.
 
 This module is the analysis (pure functions of the recorded slices and the measured time);
 ``efficiency_report`` records, measures and prints. How each share is measured, from the
@@ -48,22 +54,30 @@ What is left, the step's compute, is not lost. The first step of each fit (traci
 compilation) is left out.
 """
 
+import math
 import statistics
 from typing import Dict, Optional, Sequence
 
 #: analysed steps a fit needs before the gradient allreduce is timed at its end
 TIMED_STEPS = 20
 _CALLBACKS = {"on_train_begin", "on_train_batch_begin", "on_train_batch_end", "on_epoch_end"}
+#: phases that run once an epoch, not once a step (a fixed cost per epoch)
+_EPOCH_PHASES = {"validation", "on_epoch_end"}
+#: below this an allreduce costs its latency, a fixed cost per step, more than its bytes
+#: (DESIGN: NCCL moves 1 MB at 23-62 GB/s of its 300; MPI on CPU ~1 ms for ~1 KB or 1 MB)
+LATENCY_BYTES = 1_000_000
 
 
 def _per_step(slices: Sequence[tuple]) -> Dict[int, Dict[str, float]]:
-    """step -> {"begin", "ready", "input", "train", "callbacks", "other"} of one rank (ns)."""
+    """step -> {"begin", "ready", "input", "train", "callbacks", "other", "epoch"} of one rank
+    (ns; "epoch": the part of callbacks and other that is validation and epoch ends)."""
     steps: Dict[int, Dict[str, float]] = {}
     for thread, name, category, start, duration, step, parent in slices:
         if thread != 0:
             continue  # asynchronous callbacks run beside the loop, not in its time
         record = steps.setdefault(step, {"input": 0.0, "callbacks": 0.0, "other": 0.0,
-                                         "train": 0.0, "in_step_input": 0.0})
+                                         "train": 0.0, "in_step_input": 0.0, "epoch": 0.0,
+                                         "epochs": 0})
         if name == "on_train_batch_begin" and not parent:
             record["begin"] = start
         if name == "train step":
@@ -78,6 +92,9 @@ def _per_step(slices: Sequence[tuple]) -> Dict[int, Dict[str, float]]:
             record["callbacks"] += duration
         else:
             record["other"] += duration
+        if name in _EPOCH_PHASES and not parent:
+            record["epoch"] += duration
+            record["epochs"] += name == "on_epoch_end"
     for record in steps.values():
         record["ready"] = record.get("enter", 0.0) + record["in_step_input"]
     return steps
@@ -98,9 +115,11 @@ def analyse(ranks: Sequence[Sequence[tuple]], batch_size: Optional[int],
 
     Returns:
         {"steps": (first, last), "seconds", "ranks": [per-rank {category: ns, "window"}],
-        "shares": {category: fraction of the ranks' time}, "late": (rank, ns per step,
-        fraction slower, its largest category) or None, "rates": per-rank steps/s,
-        "batch_size", "communication"}.
+        "shares": {category: fraction of the ranks' time; "epoch" (validation and epoch
+        ends) is part of "callbacks" + "other"}, "late": (rank, ns per step, fraction
+        slower, its largest category) or None, "rates": per-rank steps/s over the fit,
+        "step_rates": per-rank steps/s of a median step (what ThroughputCallback reports),
+        "epochs": epoch ends analysed, "batch_size", "communication"}.
 
     Example:
         >>> analyse(ranks, 32, {"seconds": 0.006, "bytes": 4e6, "overlaps": False,
@@ -119,8 +138,11 @@ def analyse(ranks: Sequence[Sequence[tuple]], batch_size: Optional[int],
     for steps in per_rank:
         window = steps[closing]["begin"] - steps[analysed[0]]["begin"]
         total = {name: sum(steps[k][name] for k in analysed)
-                 for name in ("input", "in_step_input", "callbacks", "other", "train")}
-        total.update(window=window, wait=0.0, waited=0.0, lateness=0.0, comm=0.0)
+                 for name in ("input", "in_step_input", "callbacks", "other", "train", "epoch",
+                              "epochs")}
+        cycles = [steps[b]["begin"] - steps[a]["begin"] for a, b in zip(common[1:], common[2:])]
+        total.update(window=window, wait=0.0, waited=0.0, lateness=0.0, comm=0.0,
+                     cycle=statistics.median(cycles))
         # what the phases cover; what they do not (Keras's loop between them) is "other"
         total["other"] += max(0.0, window - total["input"] - total["callbacks"] -
                               total["other"] - total["train"])
@@ -163,13 +185,50 @@ def analyse(ranks: Sequence[Sequence[tuple]], batch_size: Optional[int],
     for total in totals:
         total["step"] = (total["train"] - total["in_step_input"] - total["waited"]
                          - total["comm"])
+        total["epoch"] = min(total["epoch"], total["callbacks"] + total["other"])
     time_all = sum(t["window"] for t in totals) or 1.0
     shares = {name: sum(t[name] for t in totals) / time_all
-              for name in ("input", "wait", "comm", "callbacks", "other")}
+              for name in ("input", "wait", "comm", "callbacks", "other", "epoch", "step")}
     return {"steps": (analysed[0], closing), "seconds": totals[0]["window"] / 1e9,
             "ranks": totals, "shares": shares, "late": late, "batch_size": batch_size,
-            "communication": communication,
-            "rates": [len(analysed) / max(t["window"] / 1e9, 1e-9) for t in totals]}
+            "communication": communication, "epochs": int(totals[0]["epochs"]),
+            "rates": [len(analysed) / max(t["window"] / 1e9, 1e-9) for t in totals],
+            "step_rates": [1e9 / max(t["cycle"], 1.0) for t in totals]}
+
+
+def plain(value: float, digits: int = 3) -> str:
+    """`value` to `digits` significant digits, never in exponent notation (``.3g`` prints
+    1060 as ``1.06e+03``): 1060 -> "1060", 16.94 -> "16.9", 6.0 -> "6", 0.01234 -> "0.0123".
+
+    Example:
+        >>> plain(1062.4), plain(6.0), plain(0.0123456)
+        ('1062', '6', '0.0123')
+    """
+    if value == 0 or not math.isfinite(value):
+        return f"{value:.0f}"
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(value))))
+    text = f"{value:.{decimals}f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def duration(seconds: float) -> str:
+    """A time in ms, or in s from one second up: "0.85 ms", "6 ms", "16.9 ms", "1.06 s".
+
+    Example:
+        >>> duration(1.0624), duration(0.006), duration(0.00085)
+        ('1.06 s', '6 ms', '0.85 ms')
+    """
+    if abs(seconds) >= 0.9995:  # what would round to "1000 ms"
+        return f"{plain(seconds)} s"
+    return f"{plain(1e3 * seconds)} ms"
+
+
+def size_words(nbytes: float) -> str:
+    """A byte count in GB / MB / KB: "16.9 MB", "1.07 GB", "512 bytes"."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= 0.9995 * scale:  # what would round to "1000" of the unit below
+            return f"{plain(nbytes / scale)} {unit}"
+    return f"{nbytes:.0f} bytes"
 
 
 _WORDS = {"input": "its input", "callbacks": "callbacks", "other": "other host work",
@@ -178,6 +237,12 @@ _WORDS = {"input": "its input", "callbacks": "callbacks", "other": "other host w
 
 def _measured(figures: Dict) -> bool:
     return "seconds" in (figures.get("communication") or {})
+
+
+def _lost(figures: Dict) -> Dict[str, float]:
+    shares = figures["shares"]
+    return {"input": shares["input"], "wait": shares["wait"], "comm": shares.get("comm", 0.0),
+            "rest": shares["callbacks"] + shares["other"]}
 
 
 def advice(figures: Dict) -> str:
@@ -189,9 +254,7 @@ def advice(figures: Dict) -> str:
         ...         "communication": {"seconds": 0.1}})[:14]
         'communication'
     """
-    shares = figures["shares"]
-    lost = {"input": shares["input"], "wait": shares["wait"], "comm": shares.get("comm", 0.0),
-            "rest": shares["callbacks"] + shares["other"]}
+    lost = _lost(figures)
     largest = max(lost, key=lost.get)
     if lost[largest] < 0.05:
         alone = len(figures.get("ranks", ())) == 1  # no allreduce runs
@@ -206,38 +269,100 @@ def advice(figures: Dict) -> str:
                 ".prefetch(tf.data.AUTOTUNE)")
     if largest == "wait" and figures["late"] is not None:
         rank, behind, _, cause = figures["late"]  # ms, not a ratio to a step of a few ms
-        return (f"rank {rank} arrives {behind / 1e6:.0f} ms a step after the others, in "
+        return (f"rank {rank} arrives {duration(behind / 1e9)} a step after the others, in "
                 f"{_WORDS[cause]}: another job on its GPU or CPU, or work only it does?")
     if largest == "wait":
         return "ranks take turns being late: look at the timeline (MGPU_TIMELINE=FILE)"
+    if figures["shares"].get("epoch", 0.0) > 0.5 * lost["rest"]:
+        return ("validation and epoch ends: validate less often (fit(validation_freq=N)) or on "
+                "fewer samples, and make per-epoch callbacks (checkpoints) cheaper")
     return ("callbacks and Keras's loop: make per-batch callbacks cheaper or run them every N "
             "batches, and raise compile(steps_per_execution=)")
 
 
-def render(figures: Dict) -> str:
-    """The report's text (see the module docstring)."""
-    first, last = figures["steps"]
+def too_small(figures: Dict) -> Optional[str]:
+    """The one line that replaces the report when the job is too small to judge, else None.
+
+    Too small: the largest loss is a fixed cost, one every step pays whatever its work
+    (Keras's loop and callbacks, validation and epoch ends, or an allreduce of under
+    :data:`LATENCY_BYTES`: its latency), and the step computes for less time than those fixed
+    costs take a step (ns, averaged over ranks). Their share then says how small the job is,
+    not what is wrong with it: the quick start's digits job is one. A slow input, a slower
+    rank or an allreduce of many bytes is always reported.
+    """
+    lost, shares = _lost(figures), figures["shares"]
+    small = _measured(figures) and figures["communication"]["bytes"] < LATENCY_BYTES
+    largest = max(lost, key=lost.get)
+    if largest in ("input", "wait") or (largest == "comm" and not small):
+        return None
+    steps = figures["steps"][1] - figures["steps"][0]
+    per_step = sum(t["window"] for t in figures["ranks"]) / len(figures["ranks"]) / steps / 1e9
+    epoch = shares.get("epoch", 0.0) * per_step
+    loop, comm = lost["rest"] * per_step - epoch, lost["comm"] * per_step if small else 0.0
+    step = shares.get("step", 0.0) * per_step
+    if step >= loop + epoch + comm:
+        return None
+    parts = [(loop, f"Keras's loop and callbacks {duration(loop)}")]
+    if comm:
+        parts.append((comm, f"the allreduce of {size_words(figures['communication']['bytes'])}"
+                            f" {duration(comm)}"))
+    if epoch:  # per epoch where the fit ended one in the steps analysed
+        parts.append((epoch, "validation and epoch ends " + (
+            f"{duration(epoch * steps / figures['epochs'])} an epoch" if figures.get("epochs")
+            else f"{duration(epoch)} a step")))
+    parts = ", ".join(words for _, words in sorted(parts, reverse=True))
+    return (f"{_header(figures)} not judged, the fit is too small: a step computes "
+            f"{duration(step)}, and fixed costs add {duration(loop + epoch + comm)} a step "
+            f"({parts}); a larger batch, model or epoch makes them small. Throughput: "
+            f"{_throughput(figures, short=True)}.")
+
+
+def _header(figures: Dict) -> str:
+    (first, last), ranks = figures["steps"], len(figures["rates"])
+    return (f"mgpu: efficiency of fit, steps {first}-{last} on {ranks} "
+            f"rank{'s' if ranks > 1 else ''} ({duration(figures['seconds'])}):")
+
+
+def _throughput(figures: Dict, short: bool = False) -> str:
+    """The fit's throughput, and a median step's where it differs (ThroughputCallback's
+    samples_per_sec is a median step's: the time between steps is not in it)."""
     rates, batch = figures["rates"], figures["batch_size"]
     unit, scale = ("samples/s", batch) if batch else ("steps/s", 1)
-    lines = [f"mgpu: efficiency of fit, steps {first}-{last} on {len(rates)} "
-             f"rank{'s' if len(rates) > 1 else ''} ({figures['seconds']:.1f} s):",
-             f"  throughput: {sum(rates) * scale:.4g} {unit} in total; per rank: "
-             + ", ".join(f"{rate * scale:.4g}" for rate in rates)
-             + ("" if batch else " (batch size unknown)")]
+    text = f"{plain(sum(rates) * scale, 4)} {unit}" + (" over the fit" if short else (
+        " in total over the fit; per rank: " + ", ".join(plain(r * scale, 4) for r in rates)
+        + ("" if batch else " (batch size unknown)")))
+    step = sum(figures.get("step_rates", rates)) * scale
+    if step > 1.2 * sum(rates) * scale:
+        text += (f"; {plain(step, 4)} in a median step"
+                 + (" (ThroughputCallback's samples_per_sec)" if batch else "")
+                 + ("" if short else ": the rest of the time is between the steps "
+                    "(validation, epoch ends, slower steps)"))
+    return text
+
+
+def render(figures: Dict) -> str:
+    """The report's text (see the module docstring), or the one line of :func:`too_small`."""
+    quiet = too_small(figures)
+    if quiet:
+        return quiet
+    lines = [_header(figures), f"  throughput: {_throughput(figures)}"]
     shares = figures["shares"]
     lost = (shares["input"] + shares["wait"] + shares.get("comm", 0.0) + shares["callbacks"]
             + shares["other"])
     lines.append(f"  lost: {100 * lost:.0f}% of the ranks' time")
     late = figures["late"]
-    who = (f"rank {late[0]}, {late[1] / 1e6:.0f} ms a step behind the others "
+    who = (f"rank {late[0]}, {duration(late[1] / 1e9)} a step behind the others "
            f"({_WORDS[late[3]]})" if late else "")
     rows = [("input wait", shares["input"], ""), ("waiting for a slower rank", shares["wait"], who)]
     communication = figures.get("communication")
     if communication:  # None: one rank, no allreduce
         rows.append(("communication", shares["comm"] if _measured(figures) else None,
                      _communication(communication)))
+    epoch = shares.get("epoch", 0.0)
     rows.append(("the rest", shares["callbacks"] + shares["other"],
-                 "callbacks, validation, Keras's loop"))
+                 "callbacks, validation, Keras's loop" + (
+                     f" (validation and epoch ends: {100 * epoch:.0f}%)" if epoch >= 0.01
+                     else "")))
     for label, share, detail in rows:
         amount = "  -" if share is None else f"{100 * share:3.0f}%"
         lines.append(f"    {label:<28}{amount}  {detail}".rstrip())
@@ -251,14 +376,13 @@ def _communication(communication: Optional[Dict]) -> str:
         return ""
     if "seconds" not in communication:
         return f"not measured: {communication['note']}"
-    size = communication["bytes"]
-    size = (f"{size / 1e6:.3g} MB" if size >= 1e6 else f"{size / 1e3:.3g} KB" if size >= 1e3
-            else f"{size} bytes")
+    size = size_words(communication["bytes"])
     codec = communication.get("compression", "none")
     size += "" if codec == "none" else f", sent as {codec}"
     every = communication.get("every", 1)
-    took = (f"the gradient allreduce ({size}) takes {1e3 * communication['seconds'] * every:.3g}"
-            f" ms alone" + (f", once every {every} steps" if every > 1 else ""))
+    took = (f"the gradient allreduce ({size}) takes "
+            f"{duration(communication['seconds'] * every)} alone"
+            + (f", once every {every} steps" if every > 1 else ""))
     if communication["overlaps"]:
         return took + ", an upper bound: this engine overlaps it with the backward pass"
     return took + "; this engine reduces after the backward pass, so none of it overlaps"

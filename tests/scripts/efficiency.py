@@ -9,6 +9,8 @@ batch of 2, whose gradient allreduce dominates the step. MODE ``plain``: none of
 MODE ``crash``: rank 1 raises in a callback before step FAULT_STEP. MODE ``stall``: rank 1
 sleeps 120 s there (the stall inspector ends the job). MODE ``sigterm``: rank 1 sends itself
 SIGTERM there and sleeps (what Slurm's time limit or mpirun's teardown does to a rank).
+MODE ``small``: a job too small to judge: 6 epochs of 4 steps, each validated on 24 batches
+(validation outweighs the steps on every backend; torch's eager steps are the longest).
 Rank 0 prints the report (verbose=2).
 """
 
@@ -24,19 +26,21 @@ import mgpu_launch as mgpu
 mgpu.init()
 import keras  # noqa: E402
 
-MODE, SLEEP, BATCHES, FAULT_STEP = sys.argv[1], 0.04, 24, 10
+MODE, SLEEP, FAULT_STEP = sys.argv[1], 0.04, 10
+BATCHES, EPOCHS = (4, 6) if MODE == "small" else (24, 1)
 BATCH = 2 if MODE == "comm" else 16
 
 
 class Batches(keras.utils.PyDataset):
-    def __init__(self):
+    def __init__(self, batches=BATCHES):
         super().__init__()
         rng = np.random.default_rng(mgpu.rank())
-        self.x = rng.normal(size=(BATCHES * BATCH, 8)).astype("float32")
-        self.y = rng.normal(size=(BATCHES * BATCH, 1)).astype("float32")
+        self.batches = batches
+        self.x = rng.normal(size=(batches * BATCH, 8)).astype("float32")
+        self.y = rng.normal(size=(batches * BATCH, 1)).astype("float32")
 
     def __len__(self):
-        return BATCHES
+        return self.batches
 
     def __getitem__(self, index):
         if MODE == "input":
@@ -67,4 +71,5 @@ else:
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
                               keras.layers.Dense(1)])
 model.compile(optimizer=mgpu.DistributedOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
-model.fit(Batches(), epochs=1, verbose=2 if mgpu.rank() == 0 else 0, callbacks=[SlowRank()])
+model.fit(Batches(), epochs=EPOCHS, verbose=2 if mgpu.rank() == 0 else 0, callbacks=[SlowRank()],
+          validation_data=Batches(24) if MODE == "small" else None)

@@ -119,3 +119,68 @@ def test_the_ranks_timings_are_combined_into_one():
     assert median["seconds"] == pytest.approx(0.005) and median["bytes"] == 4_194_304
     failed = {"note": "its timing failed on rank 1 (RuntimeError: lost)"}
     assert combined([timed(0.004), failed]) == failed
+
+
+def test_times_sizes_and_rates_print_in_plain_units_never_in_exponent_notation():
+    # A 1.06 s allreduce of 1.2 GB on a loaded box (the .3g format printed "1.06e+03 ms"), and
+    # a throughput above 10000 samples/s (.4g printed "1.2e+04").
+    ranks = [rank_slices(0.1, 1100)] * 2
+    communication = dict(timed(1.0624), bytes=1_234_000_000)
+    text = efficiency.render(efficiency.analyse(ranks, 32, communication))
+    assert "the gradient allreduce (1.23 GB) takes 1.06 s alone" in text, text
+    fast = efficiency.render(efficiency.analyse([rank_slices(0.01, 0.5)] * 2, 8, None))
+    assert "throughput: 31373 samples/s in total over the fit; per rank: 15686, 15686" in fast, fast
+    for value, words in ((0.006, "6 ms"), (0.0169, "16.9 ms"), (0.00085, "0.85 ms"),
+                         (0.9996, "1 s"), (125.34, "125 s")):
+        assert efficiency.duration(value) == words
+    assert "e+" not in text + fast
+
+
+def epochs_slices(train_ms: float, late_ms: float = 0.0, steps: int = 24) -> list:
+    """A small job's rank: 0.5 ms of callbacks (plus `late_ms`) and a `train_ms` step, with
+    validation (50 ms) and on_epoch_end (20 ms) after every 6th step."""
+    slices, now = [], 0
+    for step in range(1, steps + 1):
+        slices.append((0, "on_train_batch_begin", "callbacks", now, (0.5 + late_ms) * MS, step,
+                       ""))
+        now += (0.5 + late_ms) * MS
+        slices.append((0, "train step", "step", now, train_ms * MS, step, ""))
+        now += train_ms * MS
+        if step % 6 == 0:
+            slices.append((0, "validation", "other", now, 50 * MS, step, ""))
+            slices.append((0, "on_epoch_end", "callbacks", now + 50 * MS, 20 * MS, step, ""))
+            now += 70 * MS
+    return slices
+
+
+def test_a_job_too_small_to_judge_gets_one_line_with_its_measured_fixed_costs():
+    # A 2 ms step, 1 ms of it a 40 KB allreduce (latency): 1 ms of compute against 11 ms a
+    # step of fixed costs (70 ms of validation and epoch end every 6 steps, the allreduce,
+    # the callbacks). Steps 2-23 analysed: 3 epoch ends, 265 ms.
+    small = dict(timed(0.001), bytes=40_000)
+    text = efficiency.render(efficiency.analyse([epochs_slices(2)] * 2, 32, small))
+    assert text == (
+        "mgpu: efficiency of fit, steps 2-24 on 2 ranks (265 ms): not judged, the fit is too "
+        "small: a step computes 1 ms, and fixed costs add 11 ms a step (validation and epoch "
+        "ends 70 ms an epoch, the allreduce of 40 KB 1 ms, Keras's loop and callbacks 0.5 ms); "
+        "a larger batch, model or epoch makes them small. Throughput: 5313 samples/s over the "
+        "fit; 25600 in a median step (ThroughputCallback's samples_per_sec)."), text
+
+
+def test_a_small_job_is_still_judged_when_a_real_cause_dominates_or_its_steps_outweigh():
+    small = dict(timed(0.001), bytes=40_000)
+    # rank 1 arrives 30 ms late every step: the others' wait is a cause, not a fixed cost
+    late = efficiency.render(efficiency.analyse([epochs_slices(32), epochs_slices(2, 30)],
+                                                32, small))
+    assert "  advice: rank 1 arrives 30 ms a step after the others, in callbacks" in late, late
+    # 1 ms of compute beside a 99 ms allreduce of 16.9 MB: an allreduce of many bytes is a
+    # cause, even where the step computes less than the fixed costs
+    large = efficiency.render(efficiency.analyse([epochs_slices(100)] * 2, 32,
+                                                 dict(timed(0.099), bytes=16_900_000)))
+    assert "  advice: communication: the gradient allreduce dominates" in large, large
+    # a 150 ms step: its compute outweighs the same fixed costs, which are reported in full
+    heavy = efficiency.analyse([epochs_slices(150)] * 2, 32, small)
+    text = efficiency.render(heavy)
+    assert "not judged" not in text and "  lost: " in text, text
+    assert "the rest" in text and "(validation and epoch ends: 6%)" in text, text
+    assert "in a median step" not in text  # the epoch ends are 6%: the two rates agree
