@@ -255,6 +255,7 @@ def _produce_passes(make_source, transfer, out: "queue.Queue", state: _FeedState
         return False
 
     number, length = 0, None
+    ready = None  # (pass, its iterator) made while the pass before it ran (run-ahead only)
     while state.wait_to_begin(number, length):
         with state.changed:
             if state.claimed > number:  # the consumer dropped passes before this one began
@@ -262,19 +263,33 @@ def _produce_passes(make_source, transfer, out: "queue.Queue", state: _FeedState
             for old in [key for key in state.sources if key < number]:
                 del state.sources[old]
             source = state.sources.pop(number, None)
-        length = 0
+        if source is None and ready is not None and ready[0] == number:
+            source = ready[1]  # None (failed early) makes it again below
+        ready, length = None, 0
         try:
             for item in (source if source is not None else make_source(number)):
                 if not offer(("item", number, transfer(item)), number):
                     length = None  # dropped by the consumer
                     break
                 length += 1
+                if ready is None and state.run_ahead:
+                    ready = (number + 1, _start(make_source, number + 1))
             else:
                 offer(("end", number, None), number)
         except BaseException as error:  # handed to the consumer, raised there
             offer(("error", number, error), number)
             length = None
         number, source = number + 1, None  # `source` dropped: a generator ends now
+
+
+def _start(make_source, number):
+    """Pass `number`'s iterator, made early: a tf.data iterator takes 40-60 ms to start on
+    CPU, and starting one reads nothing (nor does a generator object before its first next).
+    None when making it fails: the pass then makes it again when it begins, and raises there."""
+    try:
+        return iter(make_source(number))
+    except Exception:
+        return None
 
 
 def _produce(iterator, transfer, out: "queue.Queue", stop: threading.Event) -> None:
