@@ -100,6 +100,10 @@ class EpochFeed:
     pass's batches, in order. A pass the consumer drops early (a build batch,
     ``stop_training``) is abandoned: the thread leaves it for the next one asked for.
 
+    While the timeline records (``mgpu_launch.runtime.timeline``), the thread adds a
+    ``batch read`` slice (the source's ``next``) and a ``device copy`` slice (``transfer``) for
+    every batch, category ``prefetch``, on its own track: whether the producer keeps up.
+
     When pass ``p`` ends, the thread begins pass ``p + 1`` at once only if ``run_ahead`` and
     the consumer will still take that many batches (``planned_batches``, the ``fit``'s
     epochs x steps; None: unknown, no run-ahead); otherwise it waits for the consumer's first
@@ -267,10 +271,19 @@ def _produce_passes(make_source, transfer, out: "queue.Queue", state: _FeedState
             source = ready[1]  # None (failed early) makes it again below
         ready, length = None, 0
         try:
+            mark = time.monotonic_ns()
             for item in (source if source is not None else make_source(number)):
-                if not offer(("item", number, transfer(item)), number):
+                if timeline.recording():  # where the thread's time goes, batch by batch
+                    read = time.monotonic_ns()
+                    item = transfer(item)
+                    timeline.add("batch read", "prefetch", mark, read)
+                    timeline.add("device copy", "prefetch", read, time.monotonic_ns())
+                else:
+                    item = transfer(item)
+                if not offer(("item", number, item), number):
                     length = None  # dropped by the consumer
                     break
+                mark = time.monotonic_ns()
                 length += 1
                 if ready is None and state.run_ahead:
                     ready = (number + 1, _start(make_source, number + 1))

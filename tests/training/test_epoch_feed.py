@@ -253,3 +253,29 @@ def test_the_next_epoch_is_copied_before_it_begins(monkeypatch, data):
     assert timer.ahead == [True, True]
     time.sleep(0.3)
     assert len(copies) == 15  # nothing of a fourth epoch the fit will not run
+
+
+def test_the_timeline_shows_the_threads_read_and_copy_of_every_batch(monkeypatch):
+    from mgpu_launch import runtime
+    from mgpu_launch.runtime import timeline
+    for name in [n for n in __import__("os").environ if n.startswith(("MGPU_", "OMPI_", "PMI"))]:
+        monkeypatch.delenv(name)
+    runtime.init()
+    try:
+        timeline.ensure_recording(runtime.state)
+        before = timeline.appended()
+
+        def slow_source(number):
+            for i in range(3):
+                time.sleep(0.02)
+                yield i
+        feed = prefetch.EpochFeed(slow_source, lambda x: time.sleep(0.01) or x, depth=1)
+        assert list(feed.next_pass()) == [0, 1, 2]
+        slices = timeline.since(before)
+    finally:
+        timeline.discard()
+        runtime.shutdown()
+    ours = [(name, duration) for _, name, category, _, duration, _, _ in slices
+            if category == "prefetch"]
+    assert [name for name, _ in ours] == ["batch read", "device copy"] * 3, ours
+    assert all(d >= (20e6 if name == "batch read" else 10e6) * 0.9 for name, d in ours), ours
