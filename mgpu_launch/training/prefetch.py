@@ -226,7 +226,10 @@ class _Pass:
     def __next__(self):
         if self._done:
             raise StopIteration
-        if self._number is None:  # claimed at the first request, not at creation (see below)
+        if self._number is None:
+            # Claimed at the first request, not at creation: Keras makes the next epoch's
+            # iterator before the data's on_epoch_end() has run, and drops it unread when
+            # steps_per_epoch is unset (it makes another at the epoch's start).
             self._number, self._source = self._feed._claim(self._source), None
         source = self._feed._queue
         while True:
@@ -238,6 +241,9 @@ class _Pass:
                 kind, number, item = source.get()
             if number == self._number:
                 break
+            if number > self._number:  # never: the thread makes passes in the order claimed
+                raise RuntimeError(f"mgpu_launch's prefetch thread handed a batch of pass "
+                                   f"{number} to pass {self._number}; please report this")
             # else: what is left of a pass the consumer dropped before its end
         if kind == "item":
             self._feed._state.take()

@@ -193,6 +193,8 @@ def _fit(depth, data, monkeypatch, eager, callbacks=()):
         model.fit(data(), epochs=3, validation_data=Reshuffled(seed=2), verbose=0,
                   callbacks=list(callbacks))
     weights = np.concatenate([np.ravel(w) for w in model.get_weights()])
+    del model
+    assert _wait_for(lambda: not any(t.is_alive() for t in threads)), "a feed outlived its fit"
     return Recorder.seen, weights, threads
 
 
