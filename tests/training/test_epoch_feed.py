@@ -281,3 +281,17 @@ def test_the_timeline_shows_the_threads_read_and_copy_of_every_batch(monkeypatch
             if category == "prefetch"]
     assert [name for name, _ in ours] == ["batch read", "device copy"] * 3, ours
     assert all(d >= (20e6 if name == "batch read" else 10e6) * 0.9 for name, d in ours), ours
+
+
+@pytest.mark.backend
+def test_steps_per_epoch_shorter_than_the_data_keeps_keras_batches(monkeypatch):
+    """Keras keeps one iterator across epochs here: a pass spans epochs (3 + 2 of 5 batches)."""
+    def weights(depth):
+        monkeypatch.setenv("MGPU_PREFETCH", str(depth))
+        keras.utils.set_random_seed(7)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile(mgpu.DistributedOptimizer(keras.optimizers.SGD(0.1)), "mse")
+        model.fit(*_arrays(), batch_size=4, epochs=4, steps_per_epoch=3, shuffle=True,
+                  verbose=0)
+        return np.concatenate([np.ravel(w) for w in model.get_weights()])
+    np.testing.assert_allclose(weights(2), weights(0), rtol=1e-6)
