@@ -32,7 +32,8 @@ __all__ = [
     "in_stateless_scope", "in_symbolic_scope", "initial_epoch", "internals_error",
     "momentum_slots", "next_epoch_is_known_early",
     "own_variables", "raw_learning_rate", "restart_batches", "set_initial_epoch",
-    "set_steps_seen", "shuffles", "steps_seen", "swap_learning_rate", "to_torch_dtype",
+    "set_steps_seen", "shuffles", "steps_seen", "swap_learning_rate", "tf_epoch_dataset",
+    "to_torch_dtype",
     "torch_convert_to_tensor", "torch_device",
 ]
 
@@ -234,6 +235,14 @@ def next_epoch_is_known_early(adapter) -> bool:
     return (_get(adapter, "enqueuer", _FEED) is None
             and type(dataset).on_epoch_end is base.on_epoch_end
             and type(dataset).on_epoch_begin is base.on_epoch_begin)
+
+
+def tf_epoch_dataset(iterator):
+    """The tf.data dataset Keras's TensorFlow epoch iterator made for all its epochs (its own
+    feeding re-iterates it), or None where a strategy made it a distributed dataset."""
+    import tensorflow as tf
+    dataset = _get(iterator, "_distributed_dataset", _FEED)
+    return dataset if isinstance(dataset, tf.data.Dataset) else None
 
 
 def shuffles(adapter) -> bool:
