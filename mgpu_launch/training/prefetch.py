@@ -232,19 +232,17 @@ class _Pass:
             # steps_per_epoch is unset (it makes another at the epoch's start).
             self._number, self._source = self._feed._claim(self._source), None
         source = self._feed._queue
+        start = time.monotonic_ns() if timeline.recording() else None
         while True:
-            if timeline.recording():
-                start = time.monotonic_ns()
-                kind, number, item = source.get()
-                timeline.add("input wait", "input", start, time.monotonic_ns())
-            else:
-                kind, number, item = source.get()
+            kind, number, item = source.get()
             if number == self._number:
                 break
             if number > self._number:  # never: the thread makes passes in the order claimed
                 raise RuntimeError(f"mgpu_launch's prefetch thread handed a batch of pass "
                                    f"{number} to pass {self._number}; please report this")
             # else: what is left of a pass the consumer dropped before its end
+        if start is not None:  # the time the step waits for its batch: the input wait
+            timeline.add("input wait", "input", start, time.monotonic_ns())
         if kind == "item":
             self._feed._state.take()
             return item
