@@ -272,15 +272,19 @@ def test_the_timeline_shows_the_threads_read_and_copy_of_every_batch(monkeypatch
                 time.sleep(0.02)
                 yield i
         feed = prefetch.EpochFeed(slow_source, lambda x: time.sleep(0.01) or x, depth=1)
-        assert list(feed.next_pass()) == [0, 1, 2]
+        for _ in range(2):  # read as Keras does: each pass's 3 batches, never its end
+            batches = feed.next_pass()
+            assert [next(batches) for _ in range(3)] == [0, 1, 2]
         slices = timeline.since(before)
     finally:
         timeline.discard()
         runtime.shutdown()
     ours = [(name, duration) for _, name, category, _, duration, _, _ in slices
             if category == "prefetch"]
-    assert [name for name, _ in ours] == ["batch read", "device copy"] * 3, ours
+    assert [name for name, _ in ours] == ["batch read", "device copy"] * 6, ours
     assert all(d >= (20e6 if name == "batch read" else 10e6) * 0.9 for name, d in ours), ours
+    # the consumer's side: one input wait per batch, the first pass's unread end included
+    assert [s[1] for s in slices if s[2] == "input"] == ["input wait"] * 6
 
 
 @pytest.mark.backend
