@@ -30,9 +30,10 @@ __all__ = [
     "checkpoint_current_epoch", "checkpoint_file_path", "checkpoint_should_save",
     "checkpoint_should_save_on_batch", "close_epoch", "current_batches", "epoch_batches",
     "in_stateless_scope", "in_symbolic_scope", "initial_epoch", "internals_error",
-    "momentum_slots",
+    "momentum_slots", "next_epoch_is_known_early",
     "own_variables", "raw_learning_rate", "restart_batches", "set_initial_epoch",
-    "set_steps_seen", "shuffles", "steps_seen", "swap_learning_rate", "to_torch_dtype",
+    "set_steps_seen", "shuffles", "steps_seen", "swap_learning_rate", "tf_epoch_dataset",
+    "to_torch_dtype",
     "torch_convert_to_tensor", "torch_device",
 ]
 
@@ -207,6 +208,41 @@ def close_epoch(iterator) -> None:
     """Forget the finished epoch's batches, so the next epoch starts its own."""
     _set(iterator, "_current_iterator", None, _EPOCH)
     set_steps_seen(iterator, 0)
+
+
+_FEED = "beginning an epoch's batches while the epoch before it ends (device prefetch)"
+
+
+def next_epoch_is_known_early(adapter) -> bool:
+    """Whether the adapter's batches of the next epoch depend on nothing that runs between
+    epochs, so they may be made before this epoch ends: arrays (shuffled too: the same draw
+    of the order, only earlier) and a PyDataset with no ``on_epoch_begin`` / ``on_epoch_end``
+    of its own and no worker pool (whose start and stop Keras ties to the epoch). Not:
+    tf.data, generators, any other adapter; nothing on torch, where every epoch's DataLoader
+    draws a seed from torch's global generator as it starts (the order, when shuffled), and so
+    does the validation's between epochs: the draws must keep Keras's order and number.
+    """
+    import keras
+    if keras.backend.backend() == "torch":
+        return False
+    arrays = _module("keras.src.trainers.data_adapters.array_data_adapter", _FEED)
+    if isinstance(adapter, _get(arrays, "ArrayDataAdapter", _FEED)):
+        return True
+    py = _module("keras.src.trainers.data_adapters.py_dataset_adapter", _FEED)
+    if not isinstance(adapter, _get(py, "PyDatasetAdapter", _FEED)):
+        return False
+    dataset, base = _get(adapter, "py_dataset", _FEED), _get(py, "PyDataset", _FEED)
+    return (_get(adapter, "enqueuer", _FEED) is None
+            and type(dataset).on_epoch_end is base.on_epoch_end
+            and type(dataset).on_epoch_begin is base.on_epoch_begin)
+
+
+def tf_epoch_dataset(iterator):
+    """The tf.data dataset Keras's TensorFlow epoch iterator made for all its epochs (its own
+    feeding re-iterates it), or None where a strategy made it a distributed dataset."""
+    import tensorflow as tf
+    dataset = _get(iterator, "_distributed_dataset", _FEED)
+    return dataset if isinstance(dataset, tf.data.Dataset) else None
 
 
 def shuffles(adapter) -> bool:

@@ -108,14 +108,14 @@ def _fit_losses(depth, monkeypatch):
     model.compile(mgpu.DistributedOptimizer(keras.optimizers.SGD(0.5)),
                   "sparse_categorical_crossentropy")
     batches = ThreadRecorder()
-    handed = []  # batches the training loop took from a Prefetcher
-    original_next = prefetch.Prefetcher.__next__
+    handed = []  # batches the training loop took from the prefetch thread's feed
+    original_next = prefetch._Pass.__next__
 
     def recording_next(self):
         item = original_next(self)
         handed.append(item)
         return item
-    monkeypatch.setattr(prefetch.Prefetcher, "__next__", recording_next)
+    monkeypatch.setattr(prefetch._Pass, "__next__", recording_next)
     history = model.fit(batches, epochs=2, verbose=0)
     return history.history["loss"], set(batches.threads), len(handed)
 

@@ -10,14 +10,19 @@ act on (:func:`set_distributed_class`) and the position the next epoch resumes a
 
 import functools
 import inspect
+import weakref
 from typing import Callable, Optional, Tuple
 
-from mgpu_launch import engines, runtime
+from mgpu_launch import engines, keras_internals, runtime
 from mgpu_launch.training import efficiency_report, epoch_resume, fit_guard, prefetch, stall_probes
 
 _distributed_class: Optional[type] = None
 # (epochs done, batches done in the next epoch) for the next training epoch to start from.
 _resume: Optional[Tuple[int, int]] = None
+# The epochs of the fit starting now, for the first epoch iterator it asks for batches: the
+# training data's (validation's iterator comes later), whose feed may then run ahead (see
+# epoch_iterator). Taken by that first request; cleared when fit returns.
+_fit_epochs: Optional[int] = None
 
 
 def set_distributed_class(distributed_class: type) -> None:
@@ -53,6 +58,15 @@ def fit(original):
         probed = ours and stall_probes.wanted()
         reported = ours and efficiency_report.wanted()
         bound = signature.bind(self, *args, **kwargs)
+        global _fit_epochs
+        _fit_epochs = (bound.arguments.get("epochs", 1)
+                       - bound.arguments.get("initial_epoch", 0))
+        try:
+            return _fit(self, bound, args, kwargs, guarded, probed, reported)
+        finally:
+            _fit_epochs = None
+
+    def _fit(self, bound, args, kwargs, guarded, probed, reported):
         ordered = epoch_resume.keeps_its_order(bound.arguments.get("x"), bound.arguments)
         if not (guarded or probed or ordered):
             return original(self, *args, **kwargs)
@@ -72,14 +86,44 @@ def fit(original):
 
 def epoch_iterator(original):
     # Each epoch asks the engine for the batches to prefetch; None (or depth 0) keeps Keras's.
+    # One EpochFeed per Keras epoch iterator: one thread for all its epochs, which begins the
+    # next epoch's batches while this one ends where that gives Keras's batches exactly.
     def _get_iterator(self):
+        global _fit_epochs
+        epochs, _fit_epochs = _fit_epochs, None  # only the fit's first iterator is its training's
+        feed = self.__dict__.get("_mgpu_feed")
+        if feed is not None and feed.runs_ahead:
+            return feed.next_pass()  # its thread makes the pass's batches (maybe already has)
         engine = engines.get_engine_or_default()
         depth = prefetch.prefetch_depth(engine.computes_on_accelerator())
         batches = engine.prefetch_source(self, original) if depth else None
         if batches is None:
             return original(self)
-        return prefetch.Prefetcher(batches, engine.prefetch_transfer(), depth)
+        if feed is None:
+            self._mgpu_feed = feed = _feed(self, original, engine, depth, epochs)
+        # made here, when Keras makes its own (a torch DataLoader draws its seed as it starts)
+        return feed.next_pass(iter(batches))
     return _get_iterator
+
+
+def _feed(epoch_iterator, original, engine, depth: int, epochs: Optional[int]):
+    """A new EpochFeed for `epoch_iterator`; `epochs`: the fit's, when this is its training
+    iterator (None: not, or unknown)."""
+    per_epoch = epoch_iterator.num_batches
+    planned = epochs * per_epoch if epochs and per_epoch else None
+    run_ahead = planned is not None and keras_internals.next_epoch_is_known_early(
+        epoch_iterator.data_adapter)
+    # a weak reference: the thread must not keep the epoch iterator (and so the feed) alive
+    owner = weakref.ref(epoch_iterator)
+
+    def make_source(number):
+        epoch_iterator = owner()
+        if epoch_iterator is None:
+            return ()
+        source = engine.prefetch_source(epoch_iterator, original)
+        return () if source is None else source
+    return prefetch.EpochFeed(make_source, engine.prefetch_transfer(), depth,
+                              run_ahead=run_ahead, planned_batches=planned)
 
 
 def jax_train_function(original):
