@@ -244,3 +244,20 @@ def test_resume_runs_only_the_jobs_a_cut_invocation_left_and_refuses_other_optio
     (cut / "results.json").write_text(json.dumps(again))
     older = bench(*argv, "--resume")
     assert older.returncode == 2 and "does not record its options" in older.stderr, explain(older)
+
+
+def test_a_silent_job_is_killed_at_its_timeout(tmp_path):
+    # A hung job prints nothing (a TF ResNet-50 job on 2 H200s, 2026-11-27, wrote no line for
+    # 570 s past its --timeout 200): the timeout must not wait for a line to be read.
+    import os
+    import sys
+    import time
+
+    from mgpu_launch import bench
+    tmp_path.chmod(0o700)
+    started = time.monotonic()
+    code = bench._run_job([sys.executable, "-c", "print('started', flush=True); "
+                           "import time; time.sleep(60)"], dict(os.environ),
+                          str(tmp_path / "job.log"), 2)
+    assert code == 124 and time.monotonic() - started < 20
+    assert (tmp_path / "job.log").read_text().splitlines()[0] == "started"

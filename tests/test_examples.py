@@ -5,6 +5,7 @@ tests/test_convergence.py. The others run once, under the suite's first backend 
 marked `backend`): what they exercise per backend is tested elsewhere, and CI time is short.
 """
 
+import importlib.util
 import os
 import pickle
 import subprocess
@@ -129,3 +130,21 @@ def test_train_on_two_processes_then_serve_on_one(tmp_path):
     if BACKEND == "tensorflow":
         assert (out / "saved_model" / "saved_model.pb").exists()
         assert "saved_model: the same predictions" in served.stdout, explain(served)
+
+
+@pytest.mark.backend
+@pytest.mark.job
+@pytest.mark.parametrize("source", ["synthetic", "tokens file"])
+def test_keras_hub_causal_lm_reports_tokens_per_second(tmp_path, source):
+    if importlib.util.find_spec("keras_hub") is None:  # not imported: it imports TensorFlow
+        pytest.skip("keras-hub is not installed (the `test` extra installs it)")
+    argv = ["--sequences", "256", "--seq-len", "16", "--batch-size", "8", "--epochs", "2"]
+    if source == "tokens file":  # the path for users with their own tokenizer's ids
+        ids = np.random.default_rng(0).integers(0, 512, size=(256, 17))
+        np.save(tmp_path / "ids.npy", ids)
+        argv += ["--tokens", str(tmp_path / "ids.npy")]
+    result = launch_ok("-np", "2", "examples/keras_hub_causal_lm.py", *argv, timeout=400,
+                       **ENV)
+    line = [line for line in result.stdout.splitlines() if "tokens/s" in line]
+    assert line and "2 process(es) x 8 sequences of 16 tokens" in line[0], explain(result)
+    assert float(line[0].split(": ")[1].split(" tokens/s")[0]) > 0, explain(result)

@@ -49,6 +49,7 @@ import secrets
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from typing import Dict, List, Optional
 
@@ -220,27 +221,39 @@ def _environment(args, backend: str, gpus: int) -> Dict[str, str]:
 
 
 def _run_job(command, env, log_path: str, timeout: float) -> int:
-    """Run one job; its output goes to the log, its progress lines to the console."""
+    """Run one job; its output goes to the log, its progress lines to the console. A job still
+    running after `timeout` seconds is killed (also one that prints nothing: a hung first step
+    of a GPU job wrote no line for 570 s); returns 124 then."""
     if os.path.lexists(log_path):  # a log of an earlier call: replaced, never written through
         os.unlink(log_path)
     with folders.open_new(log_path, text=True) as log:
         process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True, errors="replace",
                                    start_new_session=True)
-        deadline = time.monotonic() + timeout
-        for line in process.stdout:
-            log.write(line)
-            if "[mgpu-bench]" in line:
-                print("    " + line.split("[mgpu-bench]", 1)[1].strip(), flush=True)
-            if time.monotonic() > deadline:
-                break
+        expired = threading.Event()
+
+        def kill():
+            expired.set()
+            try:
+                os.killpg(process.pid, 9)
+            except ProcessLookupError:
+                pass
+        watchdog = threading.Timer(timeout, kill)
+        watchdog.daemon = True
+        watchdog.start()
         try:
-            return process.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, 9)
-            process.wait()
+            for line in process.stdout:
+                log.write(line)
+                log.flush()  # a killed job's log keeps what it printed
+                if "[mgpu-bench]" in line:
+                    print("    " + line.split("[mgpu-bench]", 1)[1].strip(), flush=True)
+            returncode = process.wait()
+        finally:
+            watchdog.cancel()
+        if expired.is_set():
             log.write(f"\nmgpu-bench: killed after {timeout:g} s (--timeout)\n")
             return 124
+        return returncode
 
 
 def plan(args) -> List[tuple]:
