@@ -9,6 +9,10 @@
 #             jobs sharing the 4 GPUs: memory growth / no preallocation), the cases in
 #             $CASES4 (default: the keras-hub and unknown-batch cases plus a core set), TF32 off,
 #             deterministic kernels; compared by tests/test_exactness_matrix.check_case
+#   hub       examples/keras_hub_causal_lm.py (GPT-2 "small", bf16) at 1 and $NP GPUs, tokens/s,
+#             tensorflow, jax and torch
+#   synthetic Horovod's benchmark script (examples/keras_resnet50_synthetic.py, batch 128, fp32,
+#             TF) on $NP GPUs with its timeline, then mgpu-bench TF fp32 at 1 and $NP GPUs
 #   bench     mgpu-bench ResNet-50 at 1 .. $NP GPUs (1,2 or 1,2,4), tensorflow, jax and native torch, one
 #             precision ($PRECISION, default mixed_bfloat16), device data
 set -u
@@ -38,13 +42,39 @@ stage_matrix4() {
   done
 }
 
-stage_bench() {  # what users get: TF32 and XLA's usual kernels, not the matrix's settings
-  env -u EXACTNESS_FP32 -u NVIDIA_TF32_OVERRIDE -u JAX_DEFAULT_MATMUL_PRECISION -u XLA_FLAGS \
-    timeout 570 mgpu-bench --model resnet50 --backend tensorflow,jax,native \
+stage_bench() {
+  clean_env timeout 570 mgpu-bench --model resnet50 --backend tensorflow,jax,native \
     --precision "${PRECISION:-mixed_bfloat16}" --gpus "$GPUS" --data device \
     --steps ${BENCH_STEPS:-30} --timeout 200 --out "$1/bench" ${RESUME:-} > "$1/bench.log" 2>&1
   echo "bench: exit $?"; tail -30 "$1/bench.log"; rm -f "$1/bench/results.png"
   cp -r "$1/bench" "$OUT/bench_${PRECISION:-mixed_bfloat16}" 2>/dev/null
+}
+
+clean_env() {  # what users get: TF32 and XLA's usual kernels, not the matrix's settings
+  env -u EXACTNESS_FP32 -u NVIDIA_TF32_OVERRIDE -u JAX_DEFAULT_MATMUL_PRECISION -u XLA_FLAGS "$@"
+}
+
+stage_hub() {
+  local backend np
+  for backend in tensorflow jax torch; do
+    for np in 1 "$NP"; do
+      KERAS_BACKEND=$backend clean_env timeout 150 mgpu-train -np "$np" \
+        examples/keras_hub_causal_lm.py --size small --precision mixed_bfloat16 --seq-len 128 \
+        --batch-size 32 --sequences $((4096 * np)) --epochs 3 > "$1/hub_${backend}_np$np.log" 2>&1
+      echo "$backend np=$np: exit $? $(grep -a 'tokens/s' "$1/hub_${backend}_np$np.log")"
+    done
+  done
+}
+
+stage_synthetic() {
+  KERAS_BACKEND=tensorflow clean_env timeout 200 mgpu-train -np "$NP" --timeline "$1/syn.json" \
+    examples/keras_resnet50_synthetic.py --batch-size 128 --num-iters 5 \
+    --num-batches-per-iter 10 > "$1/synthetic.log" 2>&1
+  echo "synthetic: exit $?"; grep -a "img/sec\|Iter #" "$1/synthetic.log" | tail -8
+  KERAS_BACKEND=tensorflow clean_env timeout 330 mgpu-bench --model resnet50 \
+    --backend tensorflow --precision float32 --gpus 1,"$NP" --data device,host --steps 30 \
+    --timeout 150 --out "$1/bench" > "$1/bench.log" 2>&1
+  echo "bench: exit $?"; tail -12 "$1/bench.log"; rm -f "$1/bench/results.png"
 }
 
 run_stages "$@"
