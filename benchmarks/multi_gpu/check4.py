@@ -18,5 +18,5 @@ for case in cases:
         print(f"{case}: ok")
     except (AssertionError, OSError) as error:
         failed += 1
-        print(f"{case}: FAILED {str(error).splitlines()[0][:300] if str(error) else type(error).__name__}")
+        print(f"{case}: FAILED {' '.join(str(error).split())[:300] or type(error).__name__}")
 print(f"{len(cases) - failed} passed, {failed} failed")
