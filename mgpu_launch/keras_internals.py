@@ -218,13 +218,9 @@ def next_epoch_is_known_early(adapter) -> bool:
     epochs, so they may be made before this epoch ends: arrays (shuffled too: the same draw
     of the order, only earlier) and a PyDataset with no ``on_epoch_begin`` / ``on_epoch_end``
     of its own and no worker pool (whose start and stop Keras ties to the epoch). Not:
-    tf.data, generators, any other adapter; nothing on torch, where every epoch's DataLoader
-    draws a seed from torch's global generator as it starts (the order, when shuffled), and so
-    does the validation's between epochs: the draws must keep Keras's order and number.
+    tf.data, generators, any other adapter. (Whether the backend allows it at all is the
+    engine's ``runs_epochs_ahead``.)
     """
-    import keras
-    if keras.backend.backend() == "torch":
-        return False
     arrays = _module("keras.src.trainers.data_adapters.array_data_adapter", _FEED)
     if isinstance(adapter, _get(arrays, "ArrayDataAdapter", _FEED)):
         return True
@@ -238,11 +234,10 @@ def next_epoch_is_known_early(adapter) -> bool:
 
 
 def tf_epoch_dataset(iterator):
-    """The tf.data dataset Keras's TensorFlow epoch iterator made for all its epochs (its own
-    feeding re-iterates it), or None where a strategy made it a distributed dataset."""
-    import tensorflow as tf
-    dataset = _get(iterator, "_distributed_dataset", _FEED)
-    return dataset if isinstance(dataset, tf.data.Dataset) else None
+    """What Keras's TensorFlow epoch iterator made for all its epochs (its own feeding
+    re-iterates it): a tf.data dataset, or a distributed dataset under a strategy (the TF
+    engine's feeding tells them apart)."""
+    return _get(iterator, "_distributed_dataset", _FEED)
 
 
 def shuffles(adapter) -> bool:

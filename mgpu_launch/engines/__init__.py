@@ -65,6 +65,10 @@ class Engine(api.Lifecycle, api.Feeding, api.TrainStep, api.GradientReducer,
         """The copy the prefetch thread applies to each batch (called in that thread)."""
         return lambda batch: batch
 
+    def runs_epochs_ahead(self) -> bool:
+        """Whether the next epoch's batches may be begun while this one ends (torch: no)."""
+        return True
+
     # -- the train step -----------------------------------------------------------------------------
     def owns_train_step(self) -> bool:
         """Whether :meth:`train_function` replaces Keras's train function (JAX: shard_map)."""

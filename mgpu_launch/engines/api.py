@@ -61,6 +61,11 @@ class Feeding(abc.ABC):
     def prefetch_transfer(self):
         """The copy the prefetch thread applies to each batch."""
 
+    @abc.abstractmethod
+    def runs_epochs_ahead(self) -> bool:
+        """Whether the prefetch thread may begin the next epoch's batches before this epoch
+        ends (where the data allows it) without changing what Keras's feeding gives."""
+
 
 class TrainStep(abc.ABC):
     """The compiled train step: who builds it, what runs inside it, the first step's copy."""

@@ -44,13 +44,13 @@ has not run here (docs/backends.md says what did).
 import sys
 import weakref
 import zlib
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Sequence
 
 import numpy as np
 
 from mgpu_launch.engines import (Engine, api, reduction, tensorflow_collectives,
-                                  tensorflow_feeding)
-from mgpu_launch.runtime.rendezvous import job_host_address, reserved_port
+                                  tensorflow_feeding, tensorflow_server)
+from mgpu_launch.runtime.rendezvous import reserved_port
 from mgpu_launcher import settings
 
 _JOB = "worker"
@@ -81,32 +81,6 @@ def _shaped_like(gradient, variable):
     if gradient.shape.is_fully_defined() or shape is None or None in tuple(shape):
         return gradient
     return tf.reshape(gradient, tuple(shape))
-
-
-def grpc_exposure_warning(state, port: int) -> Optional[str]:
-    """The start-up warning of a multi-host job's gRPC servers (rank 0 prints it), or None.
-
-    TensorFlow's collective runtime needs a gRPC server in every rank, and TensorFlow binds it
-    to ``0.0.0.0`` with no way to choose the address and no authentication
-    (docs/security.md, "TensorFlow's gRPC server"). On one host the job's user chose the host;
-    across hosts the server is reachable from every network the hosts are on.
-    """
-    if state.rank != 0 or state.local_size >= state.size:
-        return None
-    return (f"mgpu: warning: TensorFlow's collective runtime listens on every network "
-            f"interface of every host of this job (gRPC, port {port} on rank 0's host, a free "
-            f"port on the others), without authentication: whoever can reach those ports can "
-            f"run TensorFlow operations in the ranks, with this job's user's rights (read and "
-            f"write its files, tamper with the gradients, stop the job). TensorFlow offers no "
-            f"way to bind one address. Run the job on a private network, or firewall the "
-            f"ports to the job's hosts; on CPU, MGPU_TF_TRANSPORT=mpi starts no server. See "
-            f"docs/security.md.")
-
-
-def _reachable_host(state) -> str:
-    """Collective: an address the other ranks can reach this one at (MGPU_TF_HOST overrides)."""
-    found = job_host_address(state)  # on every rank: it is a collective
-    return settings.text("MGPU_TF_HOST") or found
 
 
 class TensorFlowEngine(Engine, api.GraphCollectives):
@@ -146,7 +120,7 @@ class TensorFlowEngine(Engine, api.GraphCollectives):
         if self.implementation == "auto":
             self.implementation = "ring" if shared_gpu else "auto"
         with reserved_port() as port:  # held until TF's server listens on it
-            addresses = state.comm.allgather(f"{_reachable_host(state)}:{port}")
+            addresses = state.comm.allgather(f"{tensorflow_server.reachable_host(state)}:{port}")
             ctx.configure_collective_ops(
                 collective_leader=f"/job:{_JOB}/replica:0/task:0",
                 scoped_allocator_enabled_ops=("CollectiveReduce",),
@@ -157,7 +131,7 @@ class TensorFlowEngine(Engine, api.GraphCollectives):
                 protocol="grpc", port=port)
             ctx.enable_collective_ops(server_def)
             ctx.ensure_initialized()
-        warning = grpc_exposure_warning(state, port)
+        warning = tensorflow_server.grpc_exposure_warning(state, port)
         if warning:
             print(warning, file=sys.stderr, flush=True)
         with tf.init_scope():

@@ -46,7 +46,7 @@ def dataset_source(epoch_iterator) -> Optional[Any]:
     # costs 25-70 ms on CPU (a PyDataset's from_generator), which was on the path of every
     # epoch's first batch when mgpu made its own each epoch.
     dataset = keras_internals.tf_epoch_dataset(epoch_iterator)
-    if dataset is None:  # not Keras's TFEpochIterator (a test's), or a distributed dataset
+    if not isinstance(dataset, tf.data.Dataset):  # a distributed dataset, or a test's iterator
         dataset = epoch_iterator.__dict__.get("_mgpu_tf_dataset")
         if dataset is None:
             dataset = epoch_iterator._mgpu_tf_dataset = (

@@ -144,6 +144,12 @@ class TorchEngine(Engine):
     def prefetch_transfer(self):
         return _to_device()
 
+    def runs_epochs_ahead(self) -> bool:
+        """No: every epoch's DataLoader draws a seed from torch's global generator as it
+        starts (the order, when shuffled), and so does the validation's between epochs; begun
+        early, the draws would leave Keras's order."""
+        return False
+
     # -- the train step -----------------------------------------------------------------------------
     def wrap_train_function(self, model, function):
         """With ``MGPU_TORCH_CUDA_GRAPH=1`` (or ``DistributedOptimizer(cuda_graph=True)``):

@@ -111,8 +111,8 @@ def _feed(epoch_iterator, original, engine, depth: int, epochs: Optional[int]):
     iterator (None: not, or unknown)."""
     per_epoch = epoch_iterator.num_batches
     planned = epochs * per_epoch if epochs and per_epoch else None
-    run_ahead = planned is not None and keras_internals.next_epoch_is_known_early(
-        epoch_iterator.data_adapter)
+    run_ahead = (planned is not None and engine.runs_epochs_ahead()
+                 and keras_internals.next_epoch_is_known_early(epoch_iterator.data_adapter))
     # a weak reference: the thread must not keep the epoch iterator (and so the feed) alive
     owner = weakref.ref(epoch_iterator)
 
