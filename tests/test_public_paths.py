@@ -80,8 +80,9 @@ def test_resolve_fails_on_a_path_that_does_not_exist():
 import io  # noqa: E402
 import tokenize  # noqa: E402
 
+import test_architecture  # noqa: E402 - its module table (tests/ is on the path)
+
 #: the source folders and the package each installs as
-PACKAGES = {"mgpu_launch": "mgpu_launch", "launcher": "mgpu_launcher"}
 #: modules that existed once and exist nowhere now (the flat modules the layer packages
 #: replaced): a docstring that names one sends the reader to nothing
 RETIRED = ("keras_patches", "_patches_training", "_patches_layers", "_horovod",
@@ -91,19 +92,7 @@ PROJECT_DOTTED = re.compile(r"(?<![\w/.])(?:mgpu_launch|mgpu_launcher)(?:\.[A-Za
 _RETIRED_WORD = re.compile(r"(?<![\w.])(" + "|".join(RETIRED) + r")(?![\w])")
 
 
-def _module_files():
-    """dotted module name -> its file, for both packages."""
-    found = {}
-    for folder, package in PACKAGES.items():
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts.pop()
-            found[".".join([package] + parts)] = path
-    return found
-
-
-MODULE_FILES = _module_files()
+MODULE_FILES = test_architecture.modules()  # dotted module name -> its file, both packages
 
 
 def dotted_exists(dotted: str) -> bool:

@@ -252,15 +252,21 @@ class _Pass:
         raise StopIteration
 
 
+def _offer(out: "queue.Queue", message, stopped) -> bool:
+    """Put `message` on the bounded queue, waiting for room while ``stopped()`` is false;
+    whether it was put (False: the consumer is gone, the producer should stop)."""
+    while not stopped():
+        try:
+            out.put(message, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
 def _produce_passes(make_source, transfer, out: "queue.Queue", state: _FeedState) -> None:
     def offer(message, number) -> bool:
-        while not state.abandoned(number):
-            try:
-                out.put(message, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return _offer(out, message, lambda: state.abandoned(number))
 
     number, length = 0, None
     ready = None  # (pass, its iterator) made while the pass before it ran (run-ahead only)
@@ -311,13 +317,7 @@ def _start(make_source, number):
 
 def _produce(iterator, transfer, out: "queue.Queue", stop: threading.Event) -> None:
     def offer(message) -> bool:
-        while not stop.is_set():
-            try:
-                out.put(message, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return _offer(out, message, stop.is_set)
 
     try:
         for item in iterator:

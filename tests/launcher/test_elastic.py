@@ -74,9 +74,6 @@ def test_a_job_resumed_with_another_size_uses_every_sample_of_the_epoch_once(
 
 
 # -- mgpu-train's elastic mode ---------------------------------------------------------------
-import signal  # noqa: E402
-import time  # noqa: E402
-
 from mgpu_launcher import cli, discovery  # noqa: E402
 
 
@@ -380,11 +377,3 @@ def test_mgpu_train_stopped_during_discovery_leaves_no_process_of_the_script(tmp
                 os.killpg(int(pids.read_text().split()[1]), signal.SIGKILL)
             except ProcessLookupError:
                 pass
-
-
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
