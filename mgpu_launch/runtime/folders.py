@@ -300,9 +300,11 @@ def load_json(data: bytes, what: str, max_depth: int = 32):
     for char in brackets:
         depth += 1 if char in b"[{" else -1
         if depth > max_depth:
-            raise ValueError(f"{what}: JSON nested deeper than {max_depth} levels; expected a "
-                             f"file mgpu-launch wrote")
+            raise ValueError(f"{what} is refused: JSON nested deeper than {max_depth} levels; "
+                             f"expected a file mgpu-launch wrote")
     try:
         return json.loads(data.decode("utf-8"), parse_constant=_refuse_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{what}: not JSON ({error})") from None
+        raise ValueError(f"{what} is not JSON ({error})") from None
+    except ValueError as error:  # NaN / Infinity (_refuse_constant)
+        raise ValueError(f"{what} is refused: {error}") from None

@@ -94,7 +94,7 @@ def checked_state(text: str, extra_keys=()) -> dict:
     try:  # bounded depth, NaN / Infinity refused: the writer never writes them
         state = folders.load_json(text.encode("utf-8", "replace"), "its state")
     except ValueError as error:
-        raise BadBackup(f"its state is refused: {error}") from None
+        raise BadBackup(str(error)) from None  # "its state is not JSON (...)", ...
     if not isinstance(state, dict):
         raise BadBackup(f"its state is a {type(state).__name__}, not a JSON object")
     unknown = sorted(set(state) - set(STATE_KEYS) - set(extra_keys))

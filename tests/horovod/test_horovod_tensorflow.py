@@ -47,9 +47,10 @@ def test_topology_queries_and_host_objects(reports):
     for rank, report in enumerate(reports):
         assert report["topology"] == [rank, 2, rank, 2, 0, 1, True, rank, 2]
         assert report["process_set"] == [2, [0, 1]]
+        cuda = report["built_with_cuda"]  # tensorflow-cpu: False; tensorflow: True
         assert report["queries"] == {"mpi_built": True, "mpi_enabled": True,
-                                     "gloo_built": False, "nccl_built": False,
-                                     "cuda_built": False}   # tensorflow-cpu
+                                     "gloo_built": False, "nccl_built": cuda,
+                                     "cuda_built": cuda}
         assert report["broadcast_object"] == {"from": 1} and report["allgather_object"] == [0, 1]
         assert report["broadcast_variables_eager"] == [2.0, 3.0]      # rank 1's
         assert report["broadcast_variables_graph"] == [[2.0, 3.0], 0]  # rank 0's, two dtypes

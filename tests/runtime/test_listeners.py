@@ -151,7 +151,9 @@ def test_tensorflow_grpc_server_is_the_one_wildcard_listener_of_its_transport(tm
     if backend != "tensorflow":
         pytest.skip("the TensorFlow engine's gRPC server")
     _require(backend)
-    listening, processes, output = _listeners_of_a_waiting_job(tmp_path, backend)
+    # the servers' "Started server with target" lines: start-up noise the launcher drops
+    listening, processes, output = _listeners_of_a_waiting_job(tmp_path, backend,
+                                                               MGPU_STARTUP_NOISE="1")
     grpc_ports = {int(port) for port in re.findall(r"grpc://[^:\s]+:(\d+)", output)}
     assert len(grpc_ports) == 2, f"expected both ranks' gRPC servers in the log:\n{output}"
     grpc = [entry for entry in listening if entry[3] in grpc_ports]

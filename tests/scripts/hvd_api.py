@@ -62,6 +62,10 @@ report["reducescatter"] = host(hvd.reducescatter(np.arange(6.0).reshape(3, 2) * 
 report["process_set"] = [hvd.global_process_set.size(), hvd.global_process_set.ranks]
 report["queries"] = [hvd.mpi_built(), hvd.mpi_enabled(), hvd.gloo_built(), hvd.nccl_built(),
                      hvd.ddl_built(), hvd.ccl_built()]
+# what the queries must say of CUDA / NCCL: TensorFlow's own answer (the `tensorflow` wheel that
+# keras-hub brings is built with CUDA, tensorflow-cpu is not); the other engines claim none here
+report["built_with_cuda"] = (__import__("tensorflow").test.is_built_with_cuda()
+                             if keras.backend.backend() == "tensorflow" else False)
 if keras.backend.backend() == "tensorflow":  # in-graph, inside a tf.function
     import tensorflow as tf
 

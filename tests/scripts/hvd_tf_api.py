@@ -27,7 +27,9 @@ report = {"topology": [rank, size, hvd.local_rank(), hvd.local_size(), hvd.cross
                        int(hvd.rank_op()), int(hvd.size_op())],
           "process_set": [hvd.global_process_set.size(), hvd.global_process_set.ranks],
           "queries": {name: getattr(hvd, name)() for name in
-                      ("mpi_built", "mpi_enabled", "gloo_built", "nccl_built", "cuda_built")}}
+                      ("mpi_built", "mpi_enabled", "gloo_built", "nccl_built", "cuda_built")},
+          # TensorFlow's own answer: the `tensorflow` wheel (keras-hub brings it) has CUDA
+          "built_with_cuda": tf.test.is_built_with_cuda()}
 
 
 def collectives():
