@@ -61,7 +61,11 @@ class Recorder:
         self.slices: "collections.deque[Slice]" = collections.deque(maxlen=capacity)
         self.appended = 0  # slices ever added (the ring forgets, this does not)
         self.open: Dict[int, Tuple[str, str, int, int]] = {}  # thread -> its phase
-        self.threads: Dict[int, Tuple[int, str]] = {}  # thread ident -> (index, name)
+        # thread ident -> (index, name). The main thread, where fit runs its loop, is track 0
+        # whichever thread records first (the prefetch thread often does): the efficiency
+        # report reads the loop's time from thread 0.
+        main = threading.main_thread()
+        self.threads: Dict[int, Tuple[int, str]] = {main.ident: (0, main.name)}
 
     def thread(self) -> int:
         current = threading.current_thread()

@@ -22,6 +22,7 @@ Environment (set by the tests or by hand on a GPU machine):
 import json
 import os
 import sys
+import zlib
 
 import numpy as np
 
@@ -154,6 +155,20 @@ for _name, (_model, _feed) in exactness_hub.cases().items():
                             0.01, weight_decay=0.05, epsilon=exactness_hub.EPSILON, **kw))
 
 
+#: the cases whose seed is their place in this sorted list (the matrix's first 13 cases, as
+#: their data and weights have always been drawn); later cases get a seed from their name, so
+#: adding a case never redraws the others'
+_FIRST_CASES = sorted(["sgd_momentum", "adam", "adamw", "clipnorm", "global_clipnorm",
+                       "embedding_adam", "embedding_int64_ids", "transformer_adamw", "lstm",
+                       "accumulation", "mixed_bfloat16", "mixed_float16", "vision_sync_bn"])
+
+
+def case_seed(name: str) -> int:
+    if name in _FIRST_CASES:
+        return _FIRST_CASES.index(name)
+    return 1000 + zlib.crc32(name.encode()) % 100000
+
+
 def inputs(kind, samples, rng):
     if kind == "dense":
         x = rng.normal(size=(samples, 6))
@@ -183,7 +198,7 @@ def train(name, spec, mode, out_path):
     passes = spec.get("passes", 1)
     keras.mixed_precision.set_global_policy(spec.get("policy", "float32"))
     try:
-        rng = np.random.default_rng(sorted(CASES).index(name))
+        rng = np.random.default_rng(case_seed(name))
         per_pass = GLOBAL_BATCH // passes  # samples per backward pass, all ranks together
         sample_weight = None
         if spec["inputs"].startswith("hub:"):
