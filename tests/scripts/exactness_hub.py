@@ -10,19 +10,19 @@ Each model is a keras-hub ``Task`` without a preprocessor, so ``Task.fit`` takes
 
 Dropout is 0 everywhere (else the ranks' and the reference's masks differ).
 
-The optimizer is AdamW with ``epsilon=EPSILON`` (1e-3, Keras's default 1e-7). Adam divides each
+The optimizer is AdamW with ``epsilon=EPSILON`` (1e-3; Keras's default is 1e-7). Adam divides each
 update by ``sqrt(v) + epsilon``, so an error ``d`` in a gradient moves its weight by up to
 ``lr * d / epsilon`` per step: where a gradient is near zero (a transformer's attention key
 biases have a zero gradient in exact arithmetic, as softmax ignores a constant added to every
 logit of a query; GELU units far in their flat part), float32 rounding of 1e-9 becomes an
 arbitrary 1e-4 with the default epsilon, in two single-process runs that only split a batch
-differently too. With 1e-3, the same rounding moves a weight by ~1e-8, under float32's rtol
-of the comparison, so the comparison sees the reduction's arithmetic, not Adam's amplification.
-The feeding ways
-(``FEEDS``): ``split`` (this rank's arrays to ``Task.fit`` with ``batch_size``: keras-hub makes a
-``tf.data`` whose batch dimension is unknown), ``shard`` (``mgpu.data.shard`` of a tf.data of the
-arrays, as the README tells keras-hub users) and ``tfdata`` (the user's own ``tf.data``, batched
-without ``drop_remainder``).
+differently too. With 1e-3, the same rounding moves a weight by ~1e-8, under the comparison's
+rtol of 1e-5, so the comparison sees the reduction's arithmetic, not Adam's amplification.
+
+The feeding ways (``FEEDS``): ``split`` (this rank's arrays to ``Task.fit`` with
+``batch_size``: keras-hub makes a ``tf.data`` whose batch dimension is unknown), ``shard``
+(``mgpu.data.shard`` of a tf.data of the arrays, as the README tells keras-hub users) and
+``tfdata`` (the user's own ``tf.data``, batched without ``drop_remainder``).
 """
 
 import numpy as np
@@ -31,14 +31,6 @@ VOCABULARY = 40
 EPSILON = 1e-3  # Adam's epsilon (module docstring)
 LENGTH = 8
 FEEDS = ("split", "shard", "tfdata")
-
-
-def available() -> bool:
-    try:
-        import keras_hub  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def gpt2_lm():
