@@ -61,7 +61,7 @@ COPY --chown=10001:10001 docker/sshd_config /home/mgpu/.sshd_config
 WORKDIR /opt/mgpu-launch
 COPY pyproject.toml setup.py README.md ./
 COPY scripts/install.sh scripts/
-COPY launcher/ launcher/
+COPY mgpu_launcher/ mgpu_launcher/
 COPY mgpu_launch/ mgpu_launch/
 COPY examples/ examples/
 RUN PYTHON=/opt/venv/bin/python scripts/install.sh "${EXTRA}"

@@ -21,8 +21,8 @@ from typing import Dict, List, Set
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-#: source folder -> the package name it installs as (pyproject.toml's package-dir)
-SOURCES = {"launcher": "mgpu_launcher", "mgpu_launch": "mgpu_launch"}
+#: source folder -> the package name it installs as (the same: each folder is named as it imports)
+SOURCES = {"mgpu_launcher": "mgpu_launcher", "mgpu_launch": "mgpu_launch"}
 
 #: the layers, lowest first: (name, the package or module that is the layer). A module belongs
 #: to the longest entry its name starts with and may import only from its own layer or lower

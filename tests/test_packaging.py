@@ -1,8 +1,8 @@
 """What `pip install .` puts on sys.path: the launcher under the project's own name only.
 
-The repository keeps the launcher in its top-level `launcher/` folder, but a top-level package
-named `launcher` would shadow (or be shadowed by) PyPI's `launcher` and any project's own module,
-so the wheel maps the folder to `mgpu_launcher`. These tests build the real wheel and read it.
+The launcher's folder is `mgpu_launcher/`, named as it imports: a top-level package named
+`launcher` would shadow (or be shadowed by) PyPI's `launcher` and any project's own module.
+These tests build the real wheel and read it.
 """
 import pathlib
 import shutil
@@ -23,7 +23,7 @@ def wheel(tmp_path_factory):
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         if (ROOT / name).exists():
             shutil.copy(ROOT / name, source / name)
-    for folder in ("launcher", "mgpu_launch"):
+    for folder in ("mgpu_launcher", "mgpu_launch"):
         shutil.copytree(ROOT / folder, source / folder,
                         ignore=shutil.ignore_patterns("__pycache__"))
     out = tmp_path_factory.mktemp("wheel")
@@ -43,9 +43,9 @@ def test_the_wheel_has_no_top_level_launcher(wheel):
 
 
 def test_every_source_module_is_in_the_wheel(wheel):
-    expected = {f"mgpu_launcher/{path.relative_to(ROOT / 'launcher').as_posix()}"
-                for path in (ROOT / "launcher").rglob("*.py")}
-    expected |= {path.relative_to(ROOT).as_posix() for path in (ROOT / "mgpu_launch").rglob("*.py")}
+    expected = {path.relative_to(ROOT).as_posix()
+                for folder in ("mgpu_launcher", "mgpu_launch")
+                for path in (ROOT / folder).rglob("*.py")}
     missing = sorted(expected - set(wheel.namelist()))
     assert not missing, f"pyproject.toml's [tool.setuptools] packages misses {missing}"
 

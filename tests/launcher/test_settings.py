@@ -172,7 +172,7 @@ def test_the_docs_table_is_the_declarations():
 
 def test_every_variable_the_project_mentions_is_declared():
     mentioned = set()
-    for folder in ("launcher", "mgpu_launch", "docs", "scripts", "tests", "examples"):
+    for folder in ("mgpu_launcher", "mgpu_launch", "docs", "scripts", "tests", "examples"):
         for path in (ROOT / folder).rglob("*"):
             if path.suffix in (".py", ".md", ".sh") and path.name != "test_settings.py":
                 mentioned |= set(re.findall(r"\bMGPU_[A-Z0-9_]*[A-Z0-9]\b", path.read_text()))
@@ -183,7 +183,7 @@ def test_every_variable_the_project_mentions_is_declared():
 def test_the_library_reads_settings_only_through_the_settings_module():
     read = re.compile(r"""environ(\.get\(\s*|\.pop\(\s*|\[\s*)["']MGPU_""")
     found = []
-    for folder in ("launcher", "mgpu_launch"):
+    for folder in ("mgpu_launcher", "mgpu_launch"):
         for path in (ROOT / folder).rglob("*.py"):
             for number, line in enumerate(path.read_text().splitlines(), 1):
                 if read.search(line) and not re.search(r"\]\s*=[^=]", line):  # writes are fine
