@@ -267,6 +267,9 @@ SETTINGS: Dict[str, Setting] = _declare(
       "torch: reduce gradient buckets during backward (0: one fused allreduce in `apply`)"),
     _("MGPU_TORCH_CUDA_GRAPH", "flag", False, RANKS,
       "torch: capture the train step in a CUDA graph (DistributedOptimizer(cuda_graph=) wins)"),
+    _("MGPU_TORCH_KERNELS", "flag", True, RANKS,
+      "torch: BatchNormalization and channels_last convolutions on torch's own kernels "
+      "(0: Keras's torch lowering; mgpu_launch/engines/torch_kernels.py)"),
     _("MGPU_TORCH_CUDA_GRAPH_WARMUP", "integer", 3, RANKS,
       "torch: eager steps per batch shape before it is captured", low=1,
       expected="an integer >= 1 (eager steps per batch shape before capture)", example="3"),

@@ -44,6 +44,14 @@ Keras attribute                            backend   why
                                                      capture, ``MGPU_TORCH_CUDA_GRAPH=1``)
 ``torch_sgd.SGD._parallel_update_step``    torch     with capture on: the learning rate as a
                                                      device tensor (Keras reads it on the host)
+``BatchNormalization.call``                torch     on ``torch.nn.functional.batch_norm`` (one
+                                                     fused kernel, not Keras's float32
+                                                     arithmetic); any model, unless
+                                                     ``MGPU_TORCH_KERNELS=0``
+                                                     (``mgpu_launch.engines.torch_kernels``)
+``torch.nn.conv``                          torch     ``channels_last``: the input as a
+                                                     channels-first view, not two copies; the
+                                                     same conditions
 ``torch.core.convert_to_tensor``            torch     while a step is warmed up or captured: a
                                                      Python number becomes a device tensor by a
                                                      fill kernel, not a synchronous host copy
@@ -81,7 +89,9 @@ import inspect
 import sys
 from typing import Callable, Optional, Tuple
 
+from mgpu_launch.engines import torch_kernels
 from mgpu_launch.training.patches import fit as _training, objects as _layers
+from mgpu_launcher import settings
 from mgpu_launch.training.patches.fit import uses_distributed_optimizer  # noqa: F401 (public here)
 # the error of every Keras internal, the patched ones and those read elsewhere (public here)
 from mgpu_launch.keras_internals import KerasInternalsError, SUPPORTED
@@ -186,6 +196,10 @@ PATCHES = {
     "tf_auto_jit": Patch(_TRAINER, "_resolve_auto_jit_compile", ("self",)),
     "batch_norm_init": Patch(_BATCH_NORM, "__init__", ("self", "axis", "momentum")),
     "batch_norm_moments": Patch(_BATCH_NORM, "_moments", ("self", "inputs", "mask")),
+    "torch_batch_norm": Patch(_BATCH_NORM, "call", ("self", "inputs", "training", "mask")),
+    "torch_conv": Patch("keras.src.backend.torch:nn", "conv",
+                        ("inputs", "kernel", "strides", "padding", "data_format",
+                         "dilation_rate"), everywhere=True),
 }
 
 #: backend -> the patches :func:`install` applies there, in order.
@@ -198,6 +212,10 @@ BY_BACKEND = {
 #: applied once a torch train step is wrapped for CUDA-graph capture: otherwise every step of
 #: every torch job would pay their extra Python frames (convert_to_tensor runs many times a step)
 FOR_CUDA_GRAPHS = ("torch_sgd_update", "torch_scalars")
+#: torch's own kernels for Keras's torch lowering (engines/torch_kernels.py); unless
+#: MGPU_TORCH_KERNELS=0, installed with :data:`BY_BACKEND`'s (after the synchronized
+#: BatchNormalization patches, whose ``_moments`` the replacement call checks for)
+TORCH_KERNELS = ("torch_batch_norm", "torch_conv")
 #: engine name -> the patches mgpu.init() installs for every model on a multi-process job: on
 #: torch, Keras >= 3.16 must run no collective of its own on mgpu's process group (no DDP
 #: wrapper, no metric sums), whatever the model's optimizer
@@ -243,6 +261,9 @@ def install(distributed_class: type, backend: Optional[str] = None) -> None:
     for name in BY_BACKEND.get(backend, ("fit", "compile_config")):
         apply(name)
     install_synchronized_batch_norm()
+    if backend == "torch" and settings.flag("MGPU_TORCH_KERNELS"):
+        for name in TORCH_KERNELS:
+            apply(name)
 
 
 def resume_at(epochs_done: int, batches_done: int) -> None:
@@ -319,4 +340,7 @@ _FACTORIES = {
     "compile": _layers.horovod_compile, "compile_config": _layers.compile_config,
     "batch_norm_init": _batch_norm_init, "batch_norm_moments": _layers.batch_norm_moments,
     "optimizer_variables": _layers.optimizer_variables,
+    "torch_batch_norm": lambda original: torch_kernels.batch_norm(
+        original, PATCHES["batch_norm_moments"].owner_class()._moments),
+    "torch_conv": torch_kernels.conv,
 }
