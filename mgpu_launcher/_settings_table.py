@@ -186,8 +186,9 @@ SETTINGS: Dict[str, Setting] = _declare(
     _("MGPU_STARTUP_NOISE", "flag", False, LAUNCHER,
       "show the frameworks' start-up chatter that mgpu-train drops (absl's `All log messages "
       "before absl::InitializeLog()`, TF's per-rank `Started server with target`, JAX's "
-      "`[Gloo] Rank N is connected`) or shows once a job (TF's oneDNN / CPU / CUDA notices, "
-      "which it prints twice a process); `--all-ranks-output` shows them too"),
+      "`[Gloo] Rank N is connected`, and TF's `failed call to cuInit` error when no rank has "
+      "a GPU) or shows once a job (TF's oneDNN / CPU / CUDA notices, which it prints twice a "
+      "process); `--all-ranks-output` shows them too"),
     _("MGPU_SLOTS_PER_HOST", "integer", None, LAUNCHER,
       "processes per host named without slots (a bare name in a hostfile or discovery "
       "output), as `--slots-per-host`", low=1, expected="a whole number of processes per "

@@ -11,8 +11,12 @@ The frameworks' start-up chatter goes further (:data:`DROPPED`, :data:`ONCE`): T
 prints absl's notice and its oneDNN notice twice in one process, a ``grpc_server_lib ...
 Started server with target`` line per rank (each with its own port), JAX ``[Gloo] Rank N is
 connected to M peer ranks``. Those that say nothing a user acts on are dropped; the notices
-worth seeing once are shown once per job. ``MGPU_STARTUP_NOISE=1`` (or
-``--all-ranks-output``) shows them all again, merged as any other line.
+worth seeing once are shown once per job. TensorFlow's CUDA wheel also prints an E-line per rank
+on a machine without GPUs, ``failed call to cuInit: ... UNKNOWN ERROR (303)``
+(:data:`NO_GPU_DROPPED`): dropped only when the launcher knows every rank runs on its own host
+and sees no GPU there (``no_gpu``); on a GPU host, or a host it cannot see, the line stays, since
+there it tells why the GPU is unused. ``MGPU_STARTUP_NOISE=1`` (or ``--all-ranks-output``) shows
+them all again, merged as any other line.
 
 Never merged, never held: anything that looks like an error (a traceback and whatever follows
 it on that rank, glog E/F lines, lines naming an Error or Exception, the launcher's failure
@@ -34,6 +38,9 @@ DROPPED = re.compile(
     r"^WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR$|"
     r"^I\d{4} [\d:.]+\s+\d+ grpc_server_lib\.cc:\d+\] Started server with target: |"
     r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\.")
+#: TensorFlow's E-line where CUDA finds no GPU: dropped only on a job known to have none
+#: (LineMerger's `no_gpu`); on a GPU host it is the reason the GPU goes unused
+NO_GPU_DROPPED = re.compile(r"^E\d{4} [\d:.]+\s+\d+ \S+\] failed call to cuInit: ")
 #: start-up notices shown once per job (TF prints them again in the same process)
 ONCE = re.compile(r"^I port\.cc:\d+\] oneDNN custom operations are on\.|"
                   r"^I cpu_feature_guard\.cc:\d+\] |^I cudart_stub\.cc:\d+\] |"
@@ -82,19 +89,23 @@ class LineMerger:
         clock: time source (tests).
         quiet: drop the :data:`DROPPED` start-up lines and show each :data:`ONCE` notice
             once per job (False: ``MGPU_STARTUP_NOISE=1``).
+        no_gpu: every rank runs on a host without GPUs (the launcher's, which it checked):
+            drop :data:`NO_GPU_DROPPED` too, when `quiet`.
     """
 
     def __init__(self, emit: Callable[[str, str], None], size: Optional[int] = None,
                  window: float = DEFAULT_WINDOW, clock: Callable[[], float] = time.monotonic,
-                 quiet: bool = True):
+                 quiet: bool = True, no_gpu: bool = False):
         self.emit, self.size, self.window, self.clock = emit, size, window, clock
-        self.quiet, self.shown = quiet, set()  # the ONCE notices already queued
+        self.quiet, self.no_gpu, self.shown = quiet, no_gpu, set()  # shown: ONCE notices queued
         self.queue: List[_Pending] = []
         self.tracing = set()  # ranks that printed a traceback: pass everything through
         self.lock = threading.RLock()
 
     def line(self, rank: int, text: str) -> None:
         with self.lock:
+            if rank not in self.tracing and self.drops(text):
+                return  # before the error test: the cuInit line is a glog E-line
             if rank in self.tracing or is_errorish(text):
                 if "Traceback (most recent call last)" in text:
                     self.tracing.add(rank)
@@ -102,8 +113,6 @@ class LineMerger:
                 self.emit(f"[{rank}]", text)
                 return
             key = normalize(text)
-            if self.drops(text):
-                return
             once = self.quiet and ONCE.search(key)
             if once and key in self.shown and all(p.key != key for p in self.queue):
                 return  # shown already: TF's second copy in a process, or a late rank's
@@ -121,8 +130,10 @@ class LineMerger:
             self._release()
 
     def drops(self, text: str) -> bool:
-        """Whether a line is chatter to drop (for stdout, which is not merged: JAX's Gloo line)."""
-        return self.quiet and bool(DROPPED.search(text))
+        """Whether a line is chatter to drop (also asked for stdout, which is not merged: JAX's
+        Gloo line)."""
+        return self.quiet and bool(DROPPED.search(text) or
+                                   (self.no_gpu and NO_GPU_DROPPED.search(text)))
 
     def tick(self) -> None:
         """Print what waited long enough (call periodically)."""

@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Callable, Deque, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple
 
-from mgpu_launcher import merge, sessions, settings
+from mgpu_launcher import devices, merge, mpirun, sessions, settings
 from mgpu_launcher.mpirun import Flavour
 from mgpu_launcher.worker import (BACKUP_MARKER, FAILURE_MARKER, PROGRESS_MARKER, RESIZE_MARKER,
                                   STALL_MARKER)
@@ -78,14 +78,15 @@ class OutputRelay:
 
     def __init__(self, flavour: Flavour, all_ranks: bool, output_dir: Optional[str],
                  stdout: TextIO, stderr: TextIO, size: Optional[int] = None,
-                 merge_window: Optional[float] = None):
+                 merge_window: Optional[float] = None, no_gpu: bool = False):
         self.flavour, self.all_ranks, self.output_dir = flavour, all_ranks, output_dir
         # Identical stderr lines of several ranks once, tagged [0-3] (not with all_ranks), and
-        # the frameworks' start-up chatter dropped or once (MGPU_STARTUP_NOISE=1: all of it).
+        # the frameworks' start-up chatter dropped or once (MGPU_STARTUP_NOISE=1: all of it);
+        # no_gpu (see no_gpu_anywhere): TF's cuInit E-line is chatter too.
         window = merge.DEFAULT_WINDOW if merge_window is None else merge_window
         self.merger = None if all_ranks or window <= 0 else merge.LineMerger(
             self._print_stderr, size=size, window=window,
-            quiet=not settings.flag("MGPU_STARTUP_NOISE"))
+            quiet=not settings.flag("MGPU_STARTUP_NOISE"), no_gpu=no_gpu)
         self.stdout, self.stderr = stdout, stderr
         self.tails: Dict[int, Deque[str]] = collections.defaultdict(
             lambda: collections.deque(maxlen=TAIL_LINES))
@@ -128,7 +129,8 @@ class OutputRelay:
                 if marked.startswith(BACKUP_MARKER):
                     self.backup = marked[len(BACKUP_MARKER):].strip()
                     return  # for the elastic loop only
-                if not _START_UP_NOISE.match(marked):
+                if not (_START_UP_NOISE.match(marked) or
+                        self.merger is not None and self.merger.drops(marked)):
                     self.tails[rank].append(marked)
                 if self.first_failure is None:
                     self.first_failure = _failure_in(rank, marked)
@@ -350,6 +352,17 @@ class Job:
         return leftovers
 
 
+def no_gpu_anywhere(command: Sequence[str], environ: Optional[Dict[str, str]] = None) -> bool:
+    """Whether every rank of `command` (an mpirun argument list) runs on this host and this
+    host shows the ranks no GPU (devices.visible_gpus of their environment).
+
+    False whenever in doubt (hosts named, a multi-host allocation, see mpirun.one_host): a rank
+    elsewhere may have a GPU, where TensorFlow's ``failed call to cuInit`` line is a real error.
+    """
+    environ = os.environ if environ is None else environ
+    return mpirun.one_host(None, None, command[1:], environ) and not devices.visible_gpus(environ)
+
+
 def supervise(command: Sequence[str], flavour: Flavour, *, all_ranks: bool = False,
               output_dir: Optional[str] = None, env: Optional[Dict[str, str]] = None,
               stdout: Optional[TextIO] = None, stderr: Optional[TextIO] = None,
@@ -382,7 +395,8 @@ def supervise(command: Sequence[str], flavour: Flavour, *, all_ranks: bool = Fal
     """
     stderr = stderr or sys.stderr
     relay = OutputRelay(flavour, all_ranks, output_dir, stdout or sys.stdout, stderr,
-                        size=size, merge_window=merge_window)
+                        size=size, merge_window=merge_window,
+                        no_gpu=no_gpu_anywhere(command, env))
     job = Job.start(command, env, relay, stderr, run_folder)
     try:
         if on_start is not None:

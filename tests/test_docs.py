@@ -47,3 +47,49 @@ def test_every_results_file_or_folder_the_docs_name_exists():
     assert not missing, ("the docs name results that are not in the repository (commit them, or "
                          "name the folder they are in):\n  " + "\n  ".join(missing))
     assert sum(len(named_paths(p.read_text(encoding="utf-8"))) for p in PAGES) > 10
+
+
+# A markdown link's target: ](path) or ](path#anchor); web addresses and in-page anchors are
+# left to the reader.
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def anchors(page: pathlib.Path) -> set:
+    """The #anchors GitHub gives a page's headings: lower case, punctuation out, spaces -."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(encoding="utf-8"), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+            for heading in headings}
+
+
+def test_the_anchor_rule_matches_githubs():
+    page = ROOT / "docs" / "troubleshooting.md"
+    assert {"noise-once", "why-is-my-job-not-n-times-faster"} <= anchors(page)
+
+
+def test_every_relative_link_in_the_readme_and_docs_leads_to_a_file_and_heading():
+    broken = []
+    for page in PAGES:
+        for target in LINK.findall(page.read_text(encoding="utf-8")):
+            path, _, anchor = target.partition("#")
+            if re.match(r"^[a-z]+:", path):
+                continue
+            linked = page.parent / path if path else page
+            if not linked.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+            elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, ("links to files or headings that are not there (a page or section "
+                        "moved?):\n  " + "\n  ".join(broken))
+
+
+def test_the_readmes_examples_table_lists_every_example():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme[readme.index("## Examples"):readme.index("\n## ", readme.index("## Examples") + 1)]
+    listed = set(re.findall(r"^\| `([^` ]+)", table, flags=re.M))
+    present = {p.name + ("/" if p.is_dir() else "") for p in (ROOT / "examples").iterdir()
+               if not p.name.startswith((".", "__"))}
+    assert listed == present, (f"examples/ holds {sorted(present - listed)} that the README's "
+                               f"table leaves out; the table names {sorted(listed - present)} "
+                               f"that examples/ lacks")
+    named = set(re.findall(r"examples/[A-Za-z0-9_./-]*[A-Za-z0-9_/]", readme))
+    assert named and all((ROOT / path).exists() for path in named), named

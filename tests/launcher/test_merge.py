@@ -4,6 +4,7 @@ The merger is tested in-process with a fake clock; a 4-rank run of examples/kera
 checks the real start-up lines of TensorFlow (the suite's first backend).
 """
 
+import collections
 import importlib.util
 import io
 import os
@@ -12,7 +13,7 @@ import re
 import pytest
 
 from conftest import explain, launch_ok, requires_mpirun
-from mgpu_launcher import merge, mpirun, supervisor
+from mgpu_launcher import devices, merge, mpirun, supervisor
 
 
 class Clock:
@@ -154,6 +155,62 @@ def test_startup_noise_setting_reaches_the_relay(monkeypatch):
                          "[0] " + GLOO.format(rank=0)]  # stdout: rank 0's only
 
 
+# TensorFlow's CUDA wheel on the 2-core box (no GPU), once per rank (2026-11-27).
+CU_INIT = "E0000 00:00:1795794013.188595   {pid} cuda_platform.cc:52] failed call to cuInit: " \
+          "INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)"
+
+
+def test_the_cuinit_error_line_is_dropped_only_where_the_launcher_saw_no_gpu():
+    def shown(no_gpu, quiet=True):
+        lines, printed, _ = merger(size=2)
+        lines.quiet, lines.no_gpu = quiet, no_gpu
+        for rank in (0, 1):
+            lines.line(rank, CU_INIT.format(pid=21899 + rank))
+            lines.line(rank, "loading shard")
+        lines.flush()
+        return printed
+    assert shown(no_gpu=True) == ["[0-1] loading shard"]
+    # a GPU host (or one the launcher cannot see): the line says why the GPU goes unused
+    errors = ["[0] " + CU_INIT.format(pid=21899), "[1] " + CU_INIT.format(pid=21900)]
+    assert shown(no_gpu=False) == [errors[0], errors[1], "[0-1] loading shard"]
+    # MGPU_STARTUP_NOISE=1 shows it again, as the error line it is (never merged)
+    assert shown(no_gpu=True, quiet=False) == [errors[0], errors[1], "[0-1] loading shard"]
+    # after a traceback a rank's every line passes
+    lines, printed, _ = merger(size=2)
+    lines.no_gpu = True
+    lines.line(1, "Traceback (most recent call last):")
+    lines.line(1, CU_INIT.format(pid=1))
+    assert printed == ["[1] Traceback (most recent call last):", "[1] " + CU_INIT.format(pid=1)]
+
+
+def test_the_launcher_drops_the_cuinit_line_only_for_a_job_on_its_own_host_without_gpus(
+        monkeypatch):
+    local = ["mpirun", "-np", "2", "--tag-output", "python", "-m", "mgpu_launcher", "--", "t.py"]
+    on_hosts = local[:3] + ["-H", "node1:2,node2:2"] + local[3:]
+    monkeypatch.setattr(supervisor.devices, "visible_gpus", lambda environ=None: [])
+    assert supervisor.no_gpu_anywhere(local, {})
+    assert not supervisor.no_gpu_anywhere(on_hosts, {})  # node2 may have GPUs
+    assert not supervisor.no_gpu_anywhere(local, {"SLURM_JOB_ID": "7", "SLURM_NNODES": "2"})
+    assert not supervisor.no_gpu_anywhere(local, {"OMPI_MCA_orte_default_hostfile": "/h"})
+    monkeypatch.setattr(supervisor.devices, "visible_gpus", lambda environ=None: ["0", "1"])
+    assert not supervisor.no_gpu_anywhere(local, {})
+
+    def relayed(no_gpu):
+        out, err = io.StringIO(), io.StringIO()
+        relay = supervisor.OutputRelay(mpirun.OPENMPI, False, None, out, err, size=2,
+                                       no_gpu=no_gpu)
+        for rank in (0, 1):
+            relay.line(f"[1,{rank}]<stderr>: {CU_INIT.format(pid=rank)}", "stderr")
+        relay.flush()
+        return err.getvalue().splitlines(), relay.tails[0]
+    assert relayed(no_gpu=True) == ([], collections.deque())  # nor among a failure's last lines
+    printed, tail = relayed(no_gpu=False)
+    assert printed == ["[0] " + CU_INIT.format(pid=0), "[1] " + CU_INIT.format(pid=1)]
+    assert list(tail) == [CU_INIT.format(pid=0)]
+    monkeypatch.setenv("MGPU_STARTUP_NOISE", "1")
+    assert relayed(no_gpu=True)[0] == printed
+
+
 def relay_lines(all_ranks):
     out, err = io.StringIO(), io.StringIO()
     relay = supervisor.OutputRelay(mpirun.OPENMPI, all_ranks, None, out, err, size=2)
@@ -221,4 +278,6 @@ def test_four_ranks_of_the_digits_example_print_tensorflows_start_up_lines_once(
     texts = [re.sub(r"^\[[0-9,\-]+\] ", "", line) for line in lines]
     assert all(texts.count(text) == 1 for text in texts if "cpu_feature_guard" in text or
                "cudart_stub" in text), explain(result)
+    if not devices.visible_gpus():  # TF's CUDA wheel (keras-hub brings it) tried the driver
+        assert "failed call to cuInit" not in result.stderr, explain(result)
     assert "final validation accuracy" in result.stdout
