@@ -1,0 +1,37 @@
+#!/bin/bash
+# Issue 54's GPU runs, one stage per device call (each < 10 minutes), from the project root on
+# the GPU machine with .whl carried (benchmarks/gpu_setup.sh; no TensorFlow needed):
+#     bash benchmarks/torch_speed/session.sh bf16|fp32|profile
+# bf16 / fp32: mgpu-bench ResNet-50, Keras-torch with the captured step (--cuda-graph 1) and
+# native torch at 1 and 2 GPUs in one invocation, then the same Keras-torch row at 1 GPU with
+# MGPU_TORCH_KERNELS=0 (Keras's own lowering: the "before") and eager (--cuda-graph 0: what a
+# user gets without capture). profile: step_profile.py's kernel tables (one GPU).
+# Results land in $OUT (results.md / results.json per invocation, copied flat: the device tool
+# returns files at most two folders down).
+set -u
+stage=$1
+export KERAS_BACKEND=torch
+. benchmarks/gpu_setup.sh
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+python3 -c "import torch, torchvision, keras; print('torch', torch.__version__, 'torchvision', torchvision.__version__, 'keras', keras.__version__)"
+bench() {  # name, then mgpu-bench arguments
+  local name=$1; shift
+  echo "=== $name: mgpu-bench $*"
+  mgpu-bench --model resnet50 --data device --timeout 240 --out "/tmp/$name" "$@" 2>&1 \
+    | grep -v "^\[[0-9]\]" | tail -25
+  cp "/tmp/$name/results.md" "$OUT/$name.md" 2>/dev/null
+  cp "/tmp/$name/results.json" "$OUT/$name.json" 2>/dev/null
+}
+case $stage in
+  bf16|fp32)
+    precision=$([ "$stage" = bf16 ] && echo mixed_bfloat16 || echo float32)
+    bench "${stage}_graph" --backend torch,native --precision "$precision" --gpus 1,2 --cuda-graph 1
+    MGPU_TORCH_KERNELS=0 bench "${stage}_graph_keras_lowering" --backend torch \
+      --precision "$precision" --gpus 1 --cuda-graph 1
+    bench "${stage}_eager" --backend torch --precision "$precision" --gpus 1 --cuda-graph 0
+    ;;
+  profile)
+    python3 benchmarks/torch_speed/step_profile.py --precision float32 --out "$OUT/fp32_profile.jsonl" \
+      --variant native --variant keras:kernels=0:graph=1 --variant keras:kernels=1:graph=1
+    ;;
+esac
