@@ -8,8 +8,9 @@
 * otherwise: mpirun on the given hosts, supervised (mgpu_launcher.supervisor), started again
   after a failure up to ``max_restarts`` times (:func:`run_with_restarts`).
 
-What an attempt's ranks receive and when a failed job is not restarted are decided for both
-loops in mgpu_launcher.restarts.
+Both modes restart through the one loop of mgpu_launcher.restarts (``run_attempts``), each
+with its policy; what an attempt's ranks receive and when a failed job is not restarted are
+decided there too.
 """
 
 import dataclasses
@@ -151,30 +152,15 @@ def run_with_restarts(config: Config, command: List[str], flavour: mpirun.Flavou
                       env: dict) -> int:
     """Run the job; after a failure start it again, up to ``config.max_restarts`` times.
 
-    Every attempt is torn down completely first (the supervisor waits until no process of it
-    is left). Not restarted: success, mgpu-train itself stopped by a signal, and a failure
-    before any rank finished a training step (a SyntaxError, an ImportError, a wrong path:
-    the same error would come back every time). Returns the last attempt's exit status.
+    The restart loop is mgpu_launcher.restarts's (:class:`~mgpu_launcher.restarts.FixedRestarts`
+    says how it restarts here). Not restarted: success, mgpu-train itself stopped by a signal,
+    and a failure before any rank finished a training step (a SyntaxError, an ImportError, a
+    wrong path: the same error would come back every time). Returns the last attempt's exit
+    status.
     """
-    attempts = config.max_restarts + 1
-    for attempt in range(1, attempts + 1):
-        if attempts > 1:
-            restarts.attempt_environment(env, attempt - 1)
-        outcome = supervisor.supervise(
+    def supervise(attempt: Optional[Tuple[int, int]]) -> supervisor.Outcome:
+        return supervisor.supervise(
             command, flavour, all_ranks=config.all_ranks_output, output_dir=config.output_dir,
-            env=env, attempt=(attempt, attempts) if attempts > 1 else None, size=config.np,
-            merge_window=config.merge_window)
-        if outcome.status == 0 or outcome.stopped_by is not None or attempt == attempts:
-            return outcome.status
-        refusal = restarts.not_restarting(
-            outcome, attempt, "e.g. a SyntaxError, an ImportError or a bad argument")
-        if refusal:
-            print(f"{PROG}: {refusal}", file=sys.stderr, flush=True)
-            return outcome.status
-        cause = outcome.cause
-        why = (f"the job stalled: {cause.reason}" if cause and cause.stall else
-               f"rank {cause.rank}: {cause.reason}" if cause else f"exit status {outcome.status}")
-        print(f"{PROG}: restarting ({attempt} of {config.max_restarts} restarts used): "
-              f"attempt {attempt} failed ({why}); every process of it is gone.",
-              file=sys.stderr, flush=True)
-    return outcome.status
+            env=env, attempt=attempt, size=config.np, merge_window=config.merge_window)
+
+    return restarts.run_attempts(restarts.FixedRestarts(config.max_restarts, env, supervise))

@@ -5,9 +5,9 @@ the Config. Two modes, chosen by ``-np``:
 
 * **standalone** (``mgpu-train -np 4 train.py``): start the job through mpirun, which runs
   ``python -m mgpu_launcher train.py`` on every rank, and supervise it (mgpu_launcher.supervisor),
-  starting it again after a failure with ``--max-restarts N``
-  (``mgpu_launcher.api.run_with_restarts``), or with ``--host-discovery-script`` on the hosts
-  discovery lists (mgpu_launcher.elastic);
+  starting it again after a failure with ``--max-restarts N``, or with
+  ``--host-discovery-script`` on the hosts discovery lists (mgpu_launcher.elastic): one restart
+  loop for both (mgpu_launcher.restarts);
 * **worker** (no ``-np``: ``mpirun -np 4 mgpu-train train.py``, ``srun mgpu-train train.py``, or
   plainly ``mgpu-train train.py`` for one process): run the program in this process
   (mgpu_launcher.worker).

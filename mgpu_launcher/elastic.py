@@ -4,7 +4,8 @@
 
 Restart-based, like torchrun (a membership change restarts every rank; the program resumes
 from its ``callbacks.BackupAndRestore`` backup), with Horovod's knobs and discovery format
-(mgpu_launcher.discovery). The loop, each step printed once on mgpu-train's stderr:
+(mgpu_launcher.discovery). The loop (mgpu_launcher.restarts's, with :class:`ElasticRestarts`),
+each step printed once on mgpu-train's stderr:
 
 1. Run the discovery script until the hosts it lists, minus blacklisted ones, offer at least
    ``--min-np`` slots (at most ``--elastic-timeout`` seconds; then stop with a message).
@@ -231,6 +232,76 @@ def wait_for_slots(options: Options, blacklist: discovery.Blacklist, note: _Note
         sleep(min(discovery_interval(), left))
 
 
+class ElasticRestarts(restarts.Policy):
+    """The elastic mode of the restart loop (mgpu_launcher.restarts, which lists how it differs
+    from fixed restarts); ``start`` as for :func:`run`."""
+
+    quiet_when_used_up = False
+
+    def __init__(self, options: Options, start: Callable, max_restarts: int):
+        self.options, self.run_attempt, self.max_restarts = options, start, max_restarts
+        self.max_resizes = MAX_RESIZES
+        self.blacklist = discovery.Blacklist(options.cooldown)
+        self.note = _Noted()
+        self.previous = self.watcher = None  # (np, hosts_arg) and Watcher of the last attempt
+        self.hosts_arg = ""
+        self.point = self.last = None  # the last backup point; (error, point) of the last failure
+
+    def say(self, text: str) -> None:
+        say(text)
+
+    def start(self, attempt: int, why: Optional[str]):
+        hosts = wait_for_slots(self.options, self.blacklist, self.note)
+        if hosts is None:
+            return None
+        np, hosts_arg = discovery.place(hosts, self.options.max_np)
+        if self.previous is None:
+            say(f"starting {np} processes on {hosts_arg} (--min-np {self.options.min_np}, "
+                f"--max-np {self.options.max_np if self.options.max_np is not None else 'any'})")
+        else:
+            say(f"restarting with {np} processes on {hosts_arg} (was {self.previous[0]} on "
+                f"{self.previous[1]}): {why}; the job resumes from its last backup")
+        self.watcher = Watcher(self.options, self.blacklist, hosts_arg, np, self.note)
+        try:
+            outcome = self.run_attempt(np, hosts_arg, attempt, self.watcher.attach)
+        finally:
+            self.watcher.stop()
+        self.previous, self.hosts_arg = (np, hosts_arg), hosts_arg
+        self.point = outcome.backup or self.point  # an attempt that wrote none resumed from it
+        return outcome
+
+    def resized(self, outcome) -> Optional[str]:
+        if outcome.resized is None:
+            return None
+        self.last = None
+        return f"the job stopped at its {outcome.resized} ({self.watcher.why or 'asked'})"
+
+    def _lost(self, outcome):
+        return discovery.hosts_named(outcome.lost_hosts, self.hosts_arg)
+
+    def failed(self, outcome) -> str:
+        lost = self._lost(outcome)
+        return (elastic_failures.lost(lost, self.blacklist) if lost
+                else elastic_failures.failed(outcome, self.hosts_arg, self.blacklist))
+
+    def excused(self, outcome) -> bool:
+        return elastic_failures.killed(outcome) or bool(self._lost(outcome))
+
+    def repeated(self, outcome, failures: int) -> Optional[str]:
+        seen, point = elastic_failures.repeated(outcome, self.point), self.point
+        if self.options.stop_repeated and seen is not None and seen == self.last:
+            where = (f"after the same backup point ({point})" if point else
+                     "with no backup point reported by the job (each attempt starts over)")
+            return (f"stopping: restarts were stopped because the failure repeated identically: "
+                    f"the last two attempts both failed with the same error, {seen[0]} (rank "
+                    f"{outcome.cause.rank}), {where}; every further restart would fail the "
+                    f"same way ({failures - 1} of the {self.max_restarts} restarts allowed "
+                    f"used). Fix the error in the failure summary above; "
+                    f"MGPU_STOP_REPEATED_FAILURE=0 restarts anyway.")
+        self.last = seen
+        return None
+
+
 def run(options: Options, start: Callable, max_restarts: int = DEFAULT_MAX_RESTARTS) -> int:
     """The elastic loop (see the module docstring); returns mgpu-train's exit status.
 
@@ -244,66 +315,7 @@ def run(options: Options, start: Callable, max_restarts: int = DEFAULT_MAX_RESTA
             :func:`mgpu_launcher.elastic_failures.repeated`), unless ``options.stop_repeated``
             is off.
     """
-    blacklist = discovery.Blacklist(options.cooldown)
-    note = _Noted()
-    failures = resizes = 0
-    status, previous, why = 1, None, None
-    point = last = None  # the job's last backup point; (error, point) of a failure just before
-    for attempt in range(max_restarts + MAX_RESIZES + 1):
-        hosts = wait_for_slots(options, blacklist, note)
-        if hosts is None:
-            return status or 1
-        np, hosts_arg = discovery.place(hosts, options.max_np)
-        if previous is None:
-            say(f"starting {np} processes on {hosts_arg} (--min-np {options.min_np}, --max-np "
-                f"{options.max_np if options.max_np is not None else 'any'})")
-        else:
-            say(f"restarting with {np} processes on {hosts_arg} (was {previous[0]} on "
-                f"{previous[1]}): {why}; the job resumes from its last backup")
-        watcher = Watcher(options, blacklist, hosts_arg, np, note)
-        try:
-            outcome = start(np, hosts_arg, attempt, watcher.attach)
-        finally:
-            watcher.stop()
-        status, previous = outcome.status, (np, hosts_arg)
-        point = outcome.backup or point  # an attempt that wrote none resumed from the last
-        if outcome.stopped_by is not None:
-            return outcome.status
-        if outcome.status == 0 and outcome.resized is None:
-            return 0
-        if outcome.status == 0:
-            resizes, last = resizes + 1, None
-            why = f"the job stopped at its {outcome.resized} ({watcher.why or 'asked'})"
-            if resizes > MAX_RESIZES:
-                say(f"stopping: {resizes} resizes in this run is more than {MAX_RESIZES}")
-                return 1
-            continue
-        lost = discovery.hosts_named(outcome.lost_hosts, hosts_arg)
-        why = (elastic_failures.lost(lost, blacklist) if lost
-               else elastic_failures.failed(outcome, hosts_arg, blacklist))
-        refusal = restarts.not_restarting(outcome, attempt + 1, why,
-                                          excused=elastic_failures.killed(outcome) or bool(lost))
-        if refusal:
-            say(refusal)
-            return status
-        failures += 1
-        seen = elastic_failures.repeated(outcome, point)
-        if options.stop_repeated and seen is not None and seen == last:
-            where = (f"after the same backup point ({point})" if point else
-                     "with no backup point reported by the job (each attempt starts over)")
-            say(f"stopping: restarts were stopped because the failure repeated identically: "
-                f"the last two attempts both failed with the same error, {seen[0]} (rank "
-                f"{outcome.cause.rank}), {where}; every further restart would fail the same "
-                f"way ({failures - 1} of the {max_restarts} restarts allowed used). Fix the "
-                f"error in the failure summary above; MGPU_STOP_REPEATED_FAILURE=0 restarts "
-                f"anyway.")
-            return status
-        last = seen
-        if failures > max_restarts:
-            say(f"stopping: {why}, and the {max_restarts} restarts allowed are used "
-                f"(--max-restarts)")
-            return status
-    return status
+    return restarts.run_attempts(ElasticRestarts(options, start, max_restarts))
 
 
 def add_arguments(parser) -> None:
