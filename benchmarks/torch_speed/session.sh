@@ -5,7 +5,9 @@
 # bf16 / fp32: mgpu-bench ResNet-50, Keras-torch with the captured step (--cuda-graph 1) and
 # native torch at 1 and 2 GPUs in one invocation, then the same Keras-torch row at 1 GPU with
 # MGPU_TORCH_KERNELS=0 (Keras's own lowering: the "before") and eager (--cuda-graph 0: what a
-# user gets without capture). profile: step_profile.py's kernel tables (one GPU).
+# user gets without capture). profile: step_profile.py's kernel tables in float32, and
+# eager_then_capture.py (capture turned on after eager steps). matrix: the exactness matrix on
+# torch at 2 GPUs through NCCL (TF32 off), with torch's kernels for Keras's layers.
 # Results land in $OUT (results.md / results.json per invocation, copied flat: the device tool
 # returns files at most two folders down).
 set -u
@@ -31,7 +33,19 @@ case $stage in
     bench "${stage}_eager" --backend torch --precision "$precision" --gpus 1 --cuda-graph 0
     ;;
   profile)
-    python3 benchmarks/torch_speed/step_profile.py --precision float32 --out "$OUT/fp32_profile.jsonl" \
-      --variant native --variant keras:kernels=0:graph=1 --variant keras:kernels=1:graph=1
+    timeout 200 python3 benchmarks/torch_speed/eager_then_capture.py 2>&1 | tee "$OUT/eager_then_capture.log"
+    timeout 280 python3 benchmarks/torch_speed/step_profile.py --precision float32 \
+      --out "$OUT/fp32_profile.jsonl" --variant native --variant keras:kernels=0:graph=1 \
+      --variant keras:kernels=1:graph=1 > "$OUT/fp32_profile.log" 2>&1
+    grep -A3 "^==" "$OUT/fp32_profile.log"
+    ;;
+  matrix)
+    cases='["sgd_momentum","adam","embedding_adam","transformer_adamw","lstm","mixed_bfloat16","vision_sync_bn","gpt2_lm_split"]'
+    mkdir -p /tmp/matrix
+    EXACTNESS_FP32=1 NVIDIA_TF32_OVERRIDE=0 timeout 250 mgpu-train -np 2 tests/scripts/exactness.py \
+      "$cases" /tmp/matrix > "$OUT/matrix_torch.log" 2>&1
+    echo "matrix job: exit $?"
+    PYTHONPATH=tests:$PYTHONPATH python3 benchmarks/multi_gpu/check4.py /tmp/matrix "$cases" 2 \
+      | tee "$OUT/check_torch.txt"
     ;;
 esac
