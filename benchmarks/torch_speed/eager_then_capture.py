@@ -1,6 +1,6 @@
 """Why a torch train step run eagerly first then fails its CUDA-graph capture (issue 54 item 3).
 
-    python benchmarks/torch_speed/eager_then_capture.py
+    python benchmarks/torch_speed/eager_then_capture.py [--resnet]
 
 Each variant in its own process, one GPU: a small model compiled with mgpu's
 DistributedOptimizer takes EAGER steps (`train_on_batch`, capture off), then capture is turned
@@ -25,6 +25,10 @@ VARIANTS = [
     {"model": "conv_bn", "optimizer": "momentum", "eager": 3, "kernels": "0"},
     {"model": "dense", "optimizer": "sgd", "eager": 1},
 ]
+#: ``--resnet``: ResNet-50 in bfloat16 at batch 128, where step_profile.py saw capture fail
+RESNET = [{"model": "resnet50", "optimizer": "momentum", "eager": 0},
+          {"model": "resnet50", "optimizer": "momentum", "eager": 5},
+          {"model": "resnet50", "optimizer": "momentum", "eager": 5, "kernels": "0"}]
 
 
 def child(spec) -> dict:
@@ -48,7 +52,12 @@ def child(spec) -> dict:
     torch_graph.GraphedTrainStep._capture = traced_capture
 
     mgpu.init()
-    if spec["model"] == "dense":
+    if spec["model"] == "resnet50":
+        keras.config.set_dtype_policy("mixed_bfloat16")
+        model = keras.applications.ResNet50(weights=None, input_shape=(224, 224, 3))
+        x = torch.randn(128, 224, 224, 3, device="cuda")
+        y = torch.randint(0, 1000, (128,), device="cuda")
+    elif spec["model"] == "dense":
         model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(64, activation="relu"),
                                   keras.layers.Dense(10)])
         x = torch.randn(64, 32, device="cuda")
@@ -57,7 +66,8 @@ def child(spec) -> dict:
                                   keras.layers.BatchNormalization(), keras.layers.ReLU(),
                                   keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)])
         x = torch.randn(64, 16, 16, 3, device="cuda")
-    y = torch.randint(0, 10, (64,), device="cuda")
+    if spec["model"] != "resnet50":
+        y = torch.randint(0, 10, (64,), device="cuda")
     inner = {"sgd": lambda: keras.optimizers.SGD(0.01),
              "momentum": lambda: keras.optimizers.SGD(0.01, momentum=0.9),
              "adam": lambda: keras.optimizers.Adam(1e-3)}[spec["optimizer"]]()
@@ -78,7 +88,7 @@ def main() -> None:
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         print("RESULT " + json.dumps(child(json.loads(sys.argv[2]))), flush=True)
         return
-    for spec in VARIANTS:
+    for spec in RESNET if "--resnet" in sys.argv else VARIANTS:
         run = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)],
                              capture_output=True, text=True, timeout=300)
         lines = [l for l in run.stdout.splitlines() if l.startswith("RESULT ")]
