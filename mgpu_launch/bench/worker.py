@@ -190,6 +190,9 @@ def main(argv=None) -> None:
     rows = []
     step_timer = StepTimer(keras.backend.backend())
     graphs = args.cuda_graph.split(",") if keras.backend.backend() == "torch" else ["0"]
+    # Captured rows first: a step captured after eager steps of the same model can fail to
+    # capture (ResNet-50, benchmarks/torch_speed/h200-2026-11-27/eager_then_capture_resnet.log).
+    graphs.sort(key=lambda graph: graph != "1")
     # In the order given (off,on,off,on alternates); repeats are numbered in the row's variant.
     recorders = args.recorder.split(",")
     labels = [f"recorder {r}" + (f" #{recorders[:i + 1].count(r)}"

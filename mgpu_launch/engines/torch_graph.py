@@ -34,6 +34,7 @@ import warnings
 import weakref
 from typing import Callable, Optional
 
+from mgpu_launch.engines import torch_sync_check
 from mgpu_launcher import settings
 
 #: the environment variable that turns capture on (``1``); DistributedOptimizer(cuda_graph=)
@@ -45,7 +46,6 @@ CACHE_SIZE = 4
 #: distinct signatures after which the shapes count as dynamic and capture stops
 MAX_SIGNATURES = 16
 
-_SYNC_MESSAGE = "synchronizing CUDA operation"
 _stepping = threading.local()  # set while this thread warms up or captures a step
 _live: "weakref.WeakSet[GraphedTrainStep]" = weakref.WeakSet()  # for release()
 
@@ -220,6 +220,8 @@ class GraphedTrainStep:
         #: where the checked warm-up step synchronised with the host (when it did)
         self.sync_sites: list = []
         self.fallback: Optional[str] = static_reason(model)
+        #: eager steps this model took before capture was asked for (they can break capture)
+        self.steps_before = _steps_taken(model) if self.fallback is None else 0
         _live.add(self)
         if self.fallback:
             _warn(self.fallback, is_chief)
@@ -250,7 +252,9 @@ class GraphedTrainStep:
             captured = self._capture(data, flat)
         except Exception as error:  # noqa: BLE001 - any failure: eager, with the reason
             return self._give_up(data, f"capture failed ({type(error).__name__}: "
-                                       f"{str(error).splitlines()[0] if str(error) else ''})")
+                                       f"{str(error).splitlines()[0] if str(error) else ''})"
+                                       + _EAGER_FIRST.format(self.steps_before)
+                                       * bool(self.steps_before))
         self.graphs[key] = captured
         self.counts["captured"] += 1
         self.counts["replayed"] += 1
@@ -278,7 +282,7 @@ class GraphedTrainStep:
         with torch.cuda.stream(self.side):
             with _Stepping():
                 if check:
-                    logs, syncs = _with_sync_check(lambda: self.eager_step(data))
+                    logs, syncs = torch_sync_check.run(lambda: self.eager_step(data))
                 else:
                     logs, syncs = self.eager_step(data), []
         current.wait_stream(self.side)
@@ -309,6 +313,22 @@ class GraphedTrainStep:
         return _Captured(graph, inputs, outputs)
 
 
+#: added to a failed capture's reason when the model trained eagerly first (benchmarks/torch_speed:
+#: ResNet-50 after 5 eager steps; backward then waits on the default stream the eager steps ran on)
+_EAGER_FIRST = ("; this model took {} eager step(s) in this process before capture was turned on, "
+                "which can make capture fail: turn it on before the first fit "
+                "(DistributedOptimizer(cuda_graph=True) or MGPU_TORCH_CUDA_GRAPH=1 from the start)")
+
+
+def _steps_taken(model) -> int:
+    """The optimizer's step count (0 when it cannot be read)."""
+    iterations = getattr(getattr(model, "optimizer", None), "iterations", None)
+    try:
+        return int(iterations.numpy()) if iterations is not None else 0
+    except (TypeError, ValueError, AttributeError, RuntimeError):
+        return 0
+
+
 def release() -> None:
     """Free every captured graph of this process (the torch engine's shutdown calls it).
 
@@ -335,48 +355,6 @@ def _to_device(value):
         return value
     from mgpu_launch.keras_internals import torch_convert_to_tensor as convert_to_tensor
     return convert_to_tensor(value)
-
-
-def _with_sync_check(step):
-    """Run `step()` with torch's sync debug mode on; return its result and the syncs seen.
-
-    Only this thread's warnings count (the prefetch thread synchronises its own stream).
-    """
-    import torch
-
-    import traceback
-
-    found, me = [], threading.get_ident()
-    previous_mode = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        shown = warnings.showwarning
-
-        def record(message, category, filename, lineno, file=None, line=None):
-            if _SYNC_MESSAGE in str(message) and threading.get_ident() == me:
-                found.append(_where(traceback.extract_stack()[:-1], f"{filename}:{lineno}"))
-            elif _SYNC_MESSAGE not in str(message):
-                shown(message, category, filename, lineno, file, line)
-
-        warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            result = step()
-        finally:
-            torch.cuda.set_sync_debug_mode(previous_mode)
-    return result, found
-
-
-def _where(stack, fallback: str) -> str:
-    """The innermost frames of `stack` outside torch, warnings and this module: where a
-    synchronising call came from (the Keras function that made it, and its caller)."""
-    skip = ("/torch/", "warnings.py", "torch_graph.py", "patches/fit.py",
-            "/keras/src/backend/torch/core.py")
-    frames = [f for f in stack if not any(part in f.filename for part in skip)]
-    if not frames:
-        return fallback
-    return " <- ".join(f"{f.filename.rsplit('/site-packages/', 1)[-1]}:{f.lineno} ({f.name})"
-                       for f in reversed(frames[-2:]))
 
 
 def _allow_device_learning_rate(optimizer) -> None:

@@ -109,10 +109,10 @@ def conv(original: Callable) -> Callable:
     """
 
     def conv(inputs, kernel, strides=1, padding="valid", data_format=None, dilation_rate=1):
+        import keras
         import torch
-        from keras.src import backend
 
-        data_format = backend.standardize_data_format(data_format)
+        data_format = str(data_format or keras.config.image_data_format()).lower()
         if (data_format != "channels_last" or not isinstance(inputs, torch.Tensor) or inputs.ndim not in (4, 5)
                 or not inputs.is_contiguous()):
             return original(inputs, kernel, strides, padding, data_format, dilation_rate)

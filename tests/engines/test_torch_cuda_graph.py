@@ -101,3 +101,20 @@ def test_long_arrays_and_tensors_are_left_to_keras():
     from mgpu_launch.engines.torch_graph import MAX_CONSTANT_ELEMENTS, device_constant
     assert device_constant(np.zeros(MAX_CONSTANT_ELEMENTS + 1)) is None
     assert device_constant(torch.zeros(2)) is None and device_constant("text") is None
+
+
+def test_the_eager_steps_before_capture_are_counted(monkeypatch):
+    """A failed capture's warning says how many eager steps the model took first (on GPUs
+    they can make capture fail: benchmarks/torch_speed/); read from the optimizer."""
+    import keras
+
+    import mgpu_launch as mgpu
+    from mgpu_launch.engines.torch_graph import _EAGER_FIRST, _steps_taken
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(mgpu.DistributedOptimizer(keras.optimizers.SGD(0.1)), "mse")
+    assert _steps_taken(model) == 0
+    x, y = np.ones((8, 4), "float32"), np.zeros((8, 2), "float32")
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    assert _steps_taken(model) == 2
+    assert "2 eager step(s)" in _EAGER_FIRST.format(_steps_taken(model))
