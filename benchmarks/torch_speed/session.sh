@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 54's GPU runs, one stage per device call (each < 10 minutes), from the project root on
 # the GPU machine with .whl carried (benchmarks/gpu_setup.sh; no TensorFlow needed):
-#     bash benchmarks/torch_speed/session.sh bf16|fp32|profile
+#     bash benchmarks/torch_speed/session.sh bf16|fp32|four_bf16|four_fp32|profile|matrix
 # bf16 / fp32: mgpu-bench ResNet-50, Keras-torch with the captured step (--cuda-graph 1) and
 # native torch at 1 and 2 GPUs in one invocation, then the same Keras-torch row at 1 GPU with
 # MGPU_TORCH_KERNELS=0 (Keras's own lowering: the "before") and eager (--cuda-graph 0: what a
@@ -31,6 +31,10 @@ case $stage in
     MGPU_TORCH_KERNELS=0 bench "${stage}_graph_keras_lowering" --backend torch \
       --precision "$precision" --gpus 1 --cuda-graph 1
     bench "${stage}_eager" --backend torch --precision "$precision" --gpus 1 --cuda-graph 0
+    ;;
+  four_bf16|four_fp32)  # on a 4-GPU machine: the captured row and native at 1, 2 and 4 GPUs
+    precision=$([ "$stage" = four_bf16 ] && echo mixed_bfloat16 || echo float32)
+    bench "$stage" --backend torch,native --precision "$precision" --gpus 1,2,4 --cuda-graph 1
     ;;
   profile)
     timeout 200 python3 benchmarks/torch_speed/eager_then_capture.py 2>&1 | tee "$OUT/eager_then_capture.log"
