@@ -86,11 +86,11 @@ def data(model: str, samples: int, rng):
 
 def feed(way: str, x, y, sample_weight, batch: int):
     """What `fit` gets: {"x": ..., "y": ..., "batch_size": ...} for the feeding way."""
+    if way == "split":  # arrays: no TensorFlow needed (GPU machines without it run this way)
+        return {"x": x, "y": y, "sample_weight": sample_weight, "batch_size": batch}
     import tensorflow as tf
 
     import mgpu_launch as mgpu
-    if way == "split":
-        return {"x": x, "y": y, "sample_weight": sample_weight, "batch_size": batch}
     arrays = (x, y) if sample_weight is None else (x, y, sample_weight)
     dataset = tf.data.Dataset.from_tensor_slices(arrays)
     if way == "shard":
