@@ -53,3 +53,20 @@ case $stage in
       | tee "$OUT/check_torch.txt"
     ;;
 esac
+# hub (2 GPUs, torch, no TensorFlow on the machine): the keras-hub example's tokens/s at 1 and
+# 2 GPUs, and the exactness matrix's keras-hub cases fed as arrays.
+if [ "$stage" = hub ]; then
+  for np in 1 2; do
+    timeout 130 mgpu-train -np $np examples/keras_hub_causal_lm.py --size small \
+      --precision mixed_bfloat16 --seq-len 128 --batch-size 32 --sequences $((4096 * np)) \
+      --epochs 2 > "$OUT/hub_torch_np$np.log" 2>&1
+    echo "torch np=$np: exit $? $(grep -a 'tokens/s' "$OUT/hub_torch_np$np.log" | tail -2)"
+  done
+  cases='["gpt2_lm_split","bert_classifier_split","bert_lora_split"]'
+  mkdir -p /tmp/hub
+  EXACTNESS_FP32=1 NVIDIA_TF32_OVERRIDE=0 timeout 150 mgpu-train -np 2 tests/scripts/exactness.py \
+    "$cases" /tmp/hub > "$OUT/matrix_hub_torch.log" 2>&1
+  echo "hub matrix job: exit $?"
+  PYTHONPATH=tests:$PYTHONPATH python3 benchmarks/multi_gpu/check4.py /tmp/hub "$cases" 2 \
+    | tee "$OUT/check_hub_torch.txt"
+fi
