@@ -8,7 +8,8 @@ Modules:
     environments  rank / size / local rank from Open MPI, MPICH/Intel MPI, Slurm, torchrun
     devices       visible GPUs; pinning one per worker
     mpirun        finding mpirun, its MPI flavour, building its argument list
-    supervisor    running mpirun, relaying rank-tagged output, failure summary, signals
+    supervisor    running mpirun, signals, tearing the job down; how it ended (Outcome)
+    relay         rank-tagged output to the console and per-rank logs, the failure summary
     sessions      a job's process session: members, killing it, a reaper if the caller dies
     elastic       --host-discovery-script: the loop that restarts the job as hosts change
     elastic_failures  which failures of an elastic job blacklist a host, which end it

@@ -208,11 +208,13 @@ def test_the_reference_rows_get_only_the_options_they_use():
     # native and mirrored have no mgpu prefetch, CUDA graph, steps_per_execution, recorder or
     # wire compression: their workers are not handed those knobs (they would ignore them)
     from mgpu_launch import bench as tool
+    from mgpu_launch.bench import jobs
     args = tool.parse_args(["--cpu", "--model", "mlp-tiny", "--steps-per-execution", "1,4",
                             "--recorder", "off,on", "--compression", "bf16"])
     knobs = {"--prefetch", "--cuda-graph", "--steps-per-execution", "--recorder", "--compression"}
     for backend, expected in (("tensorflow", knobs), ("native", set()), ("mirrored", set())):
-        command = tool._job(args, backend, "mlp-tiny", "float32", "channels_last", 1, "r.json")
+        command = jobs.command(args, backend, "mlp-tiny", "float32", "channels_last", 1,
+                               "r.json")
         assert knobs & set(command) == expected, (backend, command)
 
 
@@ -253,11 +255,11 @@ def test_a_silent_job_is_killed_at_its_timeout(tmp_path):
     import sys
     import time
 
-    from mgpu_launch import bench
+    from mgpu_launch.bench import jobs
     tmp_path.chmod(0o700)
     started = time.monotonic()
-    code = bench._run_job([sys.executable, "-c", "print('started', flush=True); "
-                           "import time; time.sleep(60)"], dict(os.environ),
-                          str(tmp_path / "job.log"), 2)
+    code = jobs.run([sys.executable, "-c", "print('started', flush=True); "
+                     "import time; time.sleep(60)"], dict(os.environ),
+                    str(tmp_path / "job.log"), 2)
     assert code == 124 and time.monotonic() - started < 20
     assert (tmp_path / "job.log").read_text().splitlines()[0] == "started"

@@ -49,12 +49,11 @@ import secrets
 import shlex
 import subprocess
 import sys
-import threading
 import time
 from typing import Dict, List, Optional
 
 from mgpu_launcher import devices
-from mgpu_launch.bench import report, result_file, resume
+from mgpu_launch.bench import jobs, report, result_file, resume
 from mgpu_launch.bench.models import MODELS
 from mgpu_launch.bench.worker import DATA_FORMATS
 from mgpu_launch.runtime import folders
@@ -180,108 +179,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _job(args, backend: str, model: str, precision: str, data_format: str, gpus: int,
-         result: str) -> List[str]:
-    worker = ["-m", "mgpu_launch.bench.worker", "--result", result, "--model", model,
-              "--precision", precision, "--data-format", data_format, "--steps", str(args.steps),
-              "--warmup-steps", str(args.warmup_steps), "--window", str(args.window),
-              "--data", ",".join(args.data_modes)]
-    if args.batch_per_gpu:
-        worker += ["--batch-per-gpu", str(args.batch_per_gpu)]
-    if args.profile:
-        worker.append("--profile")
-    if backend not in ("native", "mirrored"):  # mgpu's own knobs: the references have none
-        worker += ["--prefetch", ",".join(map(str, args.prefetch_depths)),
-                   "--cuda-graph", ",".join(args.cuda_graphs),
-                   "--steps-per-execution", ",".join(map(str, args.executions)),
-                   "--recorder", ",".join(args.recorders)]
-        if args.compression != "none":
-            worker += ["--compression", args.compression]
-    if backend == "native":
-        worker[1] = "mgpu_launch.bench.native"
-    if backend == "mirrored":  # one process, not a launcher job: it replicates over N GPUs
-        worker[1] = "mgpu_launch.bench.mirrored"
-        return [sys.executable] + worker + ["--gpus", str(gpus)]
-    return [sys.executable, "-m", "mgpu_launcher", "-np", str(gpus)] + worker
-
-
-def _environment(args, backend: str, gpus: int) -> Dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2")
-    if backend == "native":
-        env["MGPU_ENGINE"] = "none"
-    elif backend == "mirrored":
-        env["KERAS_BACKEND"] = "tensorflow"
-        if not args.cpu:  # the GPUs the N-process job's ranks are pinned to: the first N
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(devices.visible_gpus()[:gpus])
-    else:
-        env["KERAS_BACKEND"] = backend
-    if args.cpu:
-        env.update(CUDA_VISIBLE_DEVICES="", JAX_PLATFORMS="cpu")
-    return env
-
-
-def _run_job(command, env, log_path: str, timeout: float) -> int:
-    """Run one job; its output goes to the log, its progress lines to the console. A job still
-    running after `timeout` seconds is killed (also one that prints nothing: a hung first step
-    of a GPU job wrote no line for 570 s); returns 124 then."""
-    if os.path.lexists(log_path):  # a log of an earlier call: replaced, never written through
-        os.unlink(log_path)
-    with folders.open_new(log_path, text=True) as log:
-        process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True, errors="replace",
-                                   start_new_session=True)
-        expired = threading.Event()
-
-        def kill():
-            expired.set()
-            try:
-                os.killpg(process.pid, 9)
-            except ProcessLookupError:
-                pass
-        watchdog = threading.Timer(timeout, kill)
-        watchdog.daemon = True
-        watchdog.start()
-        try:
-            for line in process.stdout:
-                log.write(line)
-                log.flush()  # a killed job's log keeps what it printed
-                if "[mgpu-bench]" in line:
-                    print("    " + line.split("[mgpu-bench]", 1)[1].strip(), flush=True)
-            returncode = process.wait()
-        finally:
-            watchdog.cancel()
-        if expired.is_set():
-            log.write(f"\nmgpu-bench: killed after {timeout:g} s (--timeout)\n")
-            return 124
-        return returncode
-
-
-def plan(args) -> List[tuple]:
-    """Every job of the invocation: (backend, model, precision, data format, gpus), in run
-    order, including those :func:`skip_reason` leaves out."""
-    return [(backend, model, precision, data_format, gpus) for model in args.models
-            for backend in args.backends for precision in args.precisions
-            for data_format in args.data_formats for gpus in args.gpu_counts]
-
-
-def skip_reason(args, backend: str, gpus: int) -> Optional[str]:
-    """Why a planned job cannot run here (None when it can)."""
-    if backend == "mirrored" and args.cpu and gpus > 1:
-        return ("MirroredStrategy on CPU has one device to mirror over (--cpu hides the GPUs), "
-                "so the mirrored row runs only at 1; run without --cpu on a machine with "
-                f"{gpus} GPUs")
-    return None
-
-
-def job_label(backend: str, model: str, precision: str, data_format: str, gpus: int) -> str:
-    """The job's name in logs/ and the header (the default channels_last is not spelled out)."""
-    layout = "" if data_format == "channels_last" else f"-{data_format}"
-    return f"{backend}-{model}-{precision}{layout}-np{gpus}"
-
-
 def run_all(args) -> int:
     """Run every job, then write the JSON, markdown and plot. Returns the exit status."""
-    jobs, rows, failed, workers, args.skipped, args.reused = [], [], [], {}, [], []
+    to_run, rows, failed, workers, args.skipped, args.reused = [], [], [], {}, [], []
     args.invocation, args.digests = secrets.token_hex(16), {}
     try:  # --out may be shared (a relative default in /tmp): only a folder of this user's
         out = folders.private_folder(args.out, "--out")
@@ -294,22 +194,22 @@ def run_all(args) -> int:
     if args.resume:
         print(f"resuming the invocation of {previous['date']} in {args.out}" if previous else
               f"--resume: no results in {args.out} yet, running every job", flush=True)
-    for job in plan(args):
-        reason = skip_reason(args, job[0], job[-1])
+    for job in jobs.plan(args):
+        reason = jobs.skip_reason(args, job[0], job[-1])
         if reason:
-            args.skipped.append(job_label(*job))
+            args.skipped.append(jobs.job_label(*job))
             layout = "" if job[3] == "channels_last" else f" {job[3]}"
             print(f"skipped {job[0]} {job[1]} {job[2]}{layout} on {job[4]} processes: {reason}",
                   flush=True)
         else:
-            jobs.append(job)
+            to_run.append(job)
     started_all = time.monotonic()
-    for number, (backend, model, precision, data_format, gpus) in enumerate(jobs, 1):
-        label = job_label(backend, model, precision, data_format, gpus)
+    for number, (backend, model, precision, data_format, gpus) in enumerate(to_run, 1):
+        label = jobs.job_label(backend, model, precision, data_format, gpus)
         result = os.path.join(out, "logs", f"{label}.json")
         log = os.path.join(out, "logs", f"{label}.log")
         layout = "" if data_format == "channels_last" else f" {data_format}"
-        print(f"[{number}/{len(jobs)}] {backend} {model} {precision}{layout} on {gpus} "
+        print(f"[{number}/{len(to_run)}] {backend} {model} {precision}{layout} on {gpus} "
               f"{'process' if args.cpu else 'GPU'}{'es' if args.cpu and gpus > 1 else ''}"
               f"{'' if args.cpu or gpus == 1 else 's'} ...", flush=True)
         started = time.monotonic()
@@ -321,8 +221,9 @@ def run_all(args) -> int:
         else:
             if os.path.lexists(result):  # an earlier call's: the job writes its own
                 os.unlink(result)
-            status = _run_job(_job(args, backend, model, precision, data_format, gpus, result),
-                              _environment(args, backend, gpus), log, args.timeout)
+            status = jobs.run(jobs.command(args, backend, model, precision, data_format, gpus,
+                                           result),
+                              jobs.environment(args, backend, gpus), log, args.timeout)
         try:
             if status == 0 and not measured:
                 measured = result_file.read(result)
@@ -345,7 +246,7 @@ def run_all(args) -> int:
             print(f"    {shown} {row['data']}{layout}, prefetch {row['prefetch']}{variant}: "
                   f"{row['img_per_sec']:.0f} img/s", flush=True)
         print(f"    done in {time.monotonic() - started:.0f} s", flush=True)
-        if number < len(jobs):  # keep what is measured if the invocation is cut short
+        if number < len(to_run):  # keep what is measured if the invocation is cut short
             report.add_scaling(rows)
             report.write(out, make_header(args, workers, time.monotonic() - started_all),
                          rows, with_plot=False)
@@ -355,7 +256,7 @@ def run_all(args) -> int:
     print(report.console_table(rows))
     print("wrote " + ", ".join(paths))
     if failed:
-        print(f"mgpu-bench: {len(failed)} of {len(jobs)} jobs failed: {', '.join(failed)}",
+        print(f"mgpu-bench: {len(failed)} of {len(to_run)} jobs failed: {', '.join(failed)}",
               file=sys.stderr)
         return 1
     return 0

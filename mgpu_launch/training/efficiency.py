@@ -54,9 +54,10 @@ What is left, the step's compute, is not lost. The first step of each fit (traci
 compilation) is left out.
 """
 
-import math
 import statistics
 from typing import Dict, Optional, Sequence
+
+from mgpu_launch.training import units
 
 #: analysed steps a fit needs before the gradient allreduce is timed at its end
 TIMED_STEPS = 20
@@ -196,41 +197,6 @@ def analyse(ranks: Sequence[Sequence[tuple]], batch_size: Optional[int],
             "step_rates": [1e9 / max(t["cycle"], 1.0) for t in totals]}
 
 
-def plain(value: float, digits: int = 3) -> str:
-    """`value` to `digits` significant digits, never in exponent notation (``.3g`` prints
-    1060 as ``1.06e+03``): 1060 -> "1060", 16.94 -> "16.9", 6.0 -> "6", 0.01234 -> "0.0123".
-
-    Example:
-        >>> plain(1062.4), plain(6.0), plain(0.0123456)
-        ('1062', '6', '0.0123')
-    """
-    if value == 0 or not math.isfinite(value):
-        return f"{value:.0f}"
-    decimals = max(0, digits - 1 - math.floor(math.log10(abs(value))))
-    text = f"{value:.{decimals}f}"
-    return text.rstrip("0").rstrip(".") if "." in text else text
-
-
-def duration(seconds: float) -> str:
-    """A time in ms, or in s from one second up: "0.85 ms", "6 ms", "16.9 ms", "1.06 s".
-
-    Example:
-        >>> duration(1.0624), duration(0.006), duration(0.00085)
-        ('1.06 s', '6 ms', '0.85 ms')
-    """
-    if abs(seconds) >= 0.9995:  # what would round to "1000 ms"
-        return f"{plain(seconds)} s"
-    return f"{plain(1e3 * seconds)} ms"
-
-
-def size_words(nbytes: float) -> str:
-    """A byte count in GB / MB / KB: "16.9 MB", "1.07 GB", "512 bytes"."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if nbytes >= 0.9995 * scale:  # what would round to "1000" of the unit below
-            return f"{plain(nbytes / scale)} {unit}"
-    return f"{nbytes:.0f} bytes"
-
-
 _WORDS = {"input": "its input", "callbacks": "callbacks", "other": "other host work",
           "unknown": "no phase of its own"}
 
@@ -269,7 +235,7 @@ def advice(figures: Dict) -> str:
                 ".prefetch(tf.data.AUTOTUNE)")
     if largest == "wait" and figures["late"] is not None:
         rank, behind, _, cause = figures["late"]  # ms, not a ratio to a step of a few ms
-        return (f"rank {rank} arrives {duration(behind / 1e9)} a step after the others, in "
+        return (f"rank {rank} arrives {units.duration(behind / 1e9)} a step after the others, in "
                 f"{_WORDS[cause]}: another job on its GPU or CPU, or work only it does?")
     if largest == "wait":
         return "ranks take turns being late: look at the timeline (MGPU_TIMELINE=FILE)"
@@ -302,25 +268,27 @@ def too_small(figures: Dict) -> Optional[str]:
     step = shares.get("step", 0.0) * per_step
     if step >= loop + epoch + comm:
         return None
-    parts = [(loop, f"Keras's loop and callbacks {duration(loop)}")]
+    parts = [(loop, f"Keras's loop and callbacks {units.duration(loop)}")]
     if comm:
-        parts.append((comm, f"the allreduce of {size_words(figures['communication']['bytes'])}"
-                            f" {duration(comm)}"))
+        nbytes = figures["communication"]["bytes"]
+        parts.append((comm, f"the allreduce of {units.size_words(nbytes)}"
+                            f" {units.duration(comm)}"))
     if epoch:  # per epoch where the fit ended one in the steps analysed
         parts.append((epoch, "validation and epoch ends " + (
-            f"{duration(epoch * steps / figures['epochs'])} an epoch" if figures.get("epochs")
-            else f"{duration(epoch)} a step")))
+            f"{units.duration(epoch * steps / figures['epochs'])} an epoch" if figures.get("epochs")
+            else f"{units.duration(epoch)} a step")))
     parts = ", ".join(words for _, words in sorted(parts, reverse=True))
     return (f"{_header(figures)} not judged, the fit is too small: a step computes "
-            f"{duration(step)}, and fixed costs add {duration(loop + epoch + comm)} a step "
-            f"({parts}); a larger batch, model or epoch makes them small. Throughput: "
+            f"{units.duration(step)}, and fixed costs add "
+            f"{units.duration(loop + epoch + comm)} a step ({parts}); a larger batch, model or "
+            f"epoch makes them small. Throughput: "
             f"{_throughput(figures, short=True)}.")
 
 
 def _header(figures: Dict) -> str:
     (first, last), ranks = figures["steps"], len(figures["rates"])
     return (f"mgpu: efficiency of fit, steps {first}-{last} on {ranks} "
-            f"rank{'s' if ranks > 1 else ''} ({duration(figures['seconds'])}):")
+            f"rank{'s' if ranks > 1 else ''} ({units.duration(figures['seconds'])}):")
 
 
 def _throughput(figures: Dict, short: bool = False) -> str:
@@ -328,12 +296,12 @@ def _throughput(figures: Dict, short: bool = False) -> str:
     samples_per_sec is a median step's: the time between steps is not in it)."""
     rates, batch = figures["rates"], figures["batch_size"]
     unit, scale = ("samples/s", batch) if batch else ("steps/s", 1)
-    text = f"{plain(sum(rates) * scale, 4)} {unit}" + (" over the fit" if short else (
-        " in total over the fit; per rank: " + ", ".join(plain(r * scale, 4) for r in rates)
+    text = f"{units.plain(sum(rates) * scale, 4)} {unit}" + (" over the fit" if short else (
+        " in total over the fit; per rank: " + ", ".join(units.plain(r * scale, 4) for r in rates)
         + ("" if batch else " (batch size unknown)")))
     step = sum(figures.get("step_rates", rates)) * scale
     if step > 1.2 * sum(rates) * scale:
-        text += (f"; {plain(step, 4)} in a median step"
+        text += (f"; {units.plain(step, 4)} in a median step"
                  + (" (ThroughputCallback's samples_per_sec)" if batch else "")
                  + ("" if short else ": the rest of the time is between the steps "
                     "(validation, epoch ends, slower steps)"))
@@ -351,7 +319,7 @@ def render(figures: Dict) -> str:
             + shares["other"])
     lines.append(f"  lost: {100 * lost:.0f}% of the ranks' time")
     late = figures["late"]
-    who = (f"rank {late[0]}, {duration(late[1] / 1e9)} a step behind the others "
+    who = (f"rank {late[0]}, {units.duration(late[1] / 1e9)} a step behind the others "
            f"({_WORDS[late[3]]})" if late else "")
     rows = [("input wait", shares["input"], ""), ("waiting for a slower rank", shares["wait"], who)]
     communication = figures.get("communication")
@@ -376,12 +344,12 @@ def _communication(communication: Optional[Dict]) -> str:
         return ""
     if "seconds" not in communication:
         return f"not measured: {communication['note']}"
-    size = size_words(communication["bytes"])
+    size = units.size_words(communication["bytes"])
     codec = communication.get("compression", "none")
     size += "" if codec == "none" else f", sent as {codec}"
     every = communication.get("every", 1)
     took = (f"the gradient allreduce ({size}) takes "
-            f"{duration(communication['seconds'] * every)} alone"
+            f"{units.duration(communication['seconds'] * every)} alone"
             + (f", once every {every} steps" if every > 1 else ""))
     if communication["overlaps"]:
         return took + ", an upper bound: this engine overlaps it with the backward pass"

@@ -5,7 +5,7 @@ dominate: test_efficiency.py."""
 
 import pytest
 
-from mgpu_launch.training import efficiency
+from mgpu_launch.training import efficiency, units
 from mgpu_launch.training.efficiency_report import combined
 
 MS = 1_000_000  # ns
@@ -132,7 +132,7 @@ def test_times_sizes_and_rates_print_in_plain_units_never_in_exponent_notation()
     assert "throughput: 31373 samples/s in total over the fit; per rank: 15686, 15686" in fast, fast
     for value, words in ((0.006, "6 ms"), (0.0169, "16.9 ms"), (0.00085, "0.85 ms"),
                          (0.9996, "1 s"), (125.34, "125 s")):
-        assert efficiency.duration(value) == words
+        assert units.duration(value) == words
     assert "e+" not in text + fast
 
 
