@@ -366,9 +366,12 @@ def run_job(options: Options, build: Callable, *, all_ranks: bool, output_dir: O
         return 0
     # SIGTERM between attempts (discovering hosts, waiting for slots) ends mgpu-train as
     # Ctrl-C does, through the same clean-up, not at once with a discovery script's group
-    # left running; during an attempt the supervisor's own handler has it.
+    # left running; during an attempt the supervisor's own handler has it. SIGINT is handled
+    # even where it was inherited ignored (a job started with `&` from a script), as the
+    # supervisor does during an attempt.
     main = threading.current_thread() is threading.main_thread()  # (only it may set handlers)
     previous = signal.signal(signal.SIGTERM, _terminate) if main else None
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler) if main else None
     try:
         return run(options, start, max_restarts)
     except KeyboardInterrupt:  # Ctrl-C while waiting for slots (a running job: supervisor)
@@ -378,6 +381,7 @@ def run_job(options: Options, build: Callable, *, all_ranks: bool, output_dir: O
     finally:
         if main:
             signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGINT, previous_int)
         discovery.end_all()  # a watcher thread's script too
 
 
