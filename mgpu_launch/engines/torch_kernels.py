@@ -20,12 +20,15 @@ Here the same layers run on torch's own kernels:
 
 Both give Keras's results up to float rounding (different summation order; tested against
 Keras's own lowering in tests/engines/test_torch_kernels.py) and fall back to Keras's code for
-everything they do not cover: masks, renorm, ``synchronized=True`` (mgpu's cross-rank moments),
+everything they do not cover: masks, renorm, ``synchronized=True`` on several processes (mgpu's
+cross-rank moments; on one process it is plain BatchNormalization, and takes this path too),
 subclasses that override ``_moments``, float64, non-dense layouts. Installed by
 ``mgpu_launch.training.patches`` on the torch backend unless ``MGPU_TORCH_KERNELS=0``.
 """
 
 from typing import Callable
+
+from mgpu_launch import runtime
 
 #: dtypes of the input taken by :func:`batch_norm` (statistics and parameters in float32)
 _BATCH_NORM_DTYPES = ("float32", "bfloat16", "float16")
@@ -35,8 +38,10 @@ def _plain_batch_norm(layer, inputs, mask, keras_moments) -> bool:
     """Whether `layer` computes exactly what :func:`batch_norm` computes."""
     import torch
 
-    if mask is not None or layer.renorm or getattr(layer, "synchronized", False):
+    if mask is not None or layer.renorm:
         return False
+    if getattr(layer, "synchronized", False) and runtime.is_multi_process():
+        return False  # mgpu's moments over every rank's batch (one process: the local ones)
     if type(layer)._moments is not keras_moments:  # a subclass (or mgpu's sync) has its own
         return False
     if not isinstance(inputs, torch.Tensor) or inputs.ndim < 2:

@@ -98,7 +98,7 @@ def test_the_replacements_are_the_ones_called(monkeypatch):
     assert "cpu" not in copies  # (shape inference runs on "meta" tensors: no data there)
 
 
-def test_layers_it_does_not_cover_keep_keras_code():
+def test_layers_it_does_not_cover_keep_keras_code(monkeypatch):
     import keras
     import torch
     from keras.src.layers.normalization.batch_normalization import BatchNormalization
@@ -120,7 +120,10 @@ def test_layers_it_does_not_cover_keep_keras_code():
     assert not _plain_batch_norm(layer(), x.double(), None, moments)
     assert not _plain_batch_norm(layer(), x, None, lambda *a: None)  # another _moments
     synced = layer()
-    synced.synchronized = True  # mgpu's cross-rank moments
+    synced.synchronized = True  # one process: plain BatchNormalization (as Keras's would be)
+    assert _plain_batch_norm(synced, x, None, moments)
+    from mgpu_launch import runtime
+    monkeypatch.setattr(runtime, "is_multi_process", lambda: True)  # mgpu's cross-rank moments
     assert not _plain_batch_norm(synced, x, None, moments)
 
 
