@@ -99,6 +99,10 @@ class TrainStep(abc.ABC):
         """Whether `variables` have values the host can read now."""
 
     @abc.abstractmethod
+    def step_advice(self, model) -> str:
+        """A setting that makes `model`'s train step itself faster here ("" when none)."""
+
+    @abc.abstractmethod
     def broadcast_variables(self, variables: Sequence[Any], root_rank: int,
                             group=None) -> None:
         """Assign rank `root_rank`'s values to `variables` on every rank (of `group`)."""

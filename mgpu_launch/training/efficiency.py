@@ -225,7 +225,9 @@ def advice(figures: Dict) -> str:
     if lost[largest] < 0.05:
         alone = len(figures.get("ranks", ())) == 1  # no allreduce runs
         what = "compute" if alone or _measured(figures) else "compute and gradient allreduce"
-        return f"no cause above 5%: the step itself ({what}) dominates"
+        hint = figures.get("step_hint")
+        return f"no cause above 5%: the step itself ({what}) dominates" + (
+            f"; {hint}" if hint else "")
     if largest == "comm":
         return "communication: the gradient allreduce dominates; " + _cheaper(
             figures["communication"])

@@ -118,3 +118,31 @@ def test_the_eager_steps_before_capture_are_counted(monkeypatch):
     model.fit(x, y, batch_size=4, epochs=1, verbose=0)
     assert _steps_taken(model) == 2
     assert "2 eager step(s)" in _EAGER_FIRST.format(_steps_taken(model))
+
+
+def test_the_efficiency_report_suggests_capture_for_an_eager_step_on_a_gpu(monkeypatch):
+    """The engine's advice for a step that dominates: capture it, on a GPU only, and not
+    when it is captured already or cannot be."""
+    import keras
+    import torch
+
+    import mgpu_launch as mgpu
+    from mgpu_launch.engines.torch import TorchEngine
+    from mgpu_launch.training.efficiency import advice
+
+    def model(**options):
+        built = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        built.compile(mgpu.DistributedOptimizer(keras.optimizers.SGD(0.1), **options), "mse")
+        return built
+
+    engine = TorchEngine()
+    assert engine.step_advice(model()) == ""  # this box has no GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    hint = engine.step_advice(model())
+    assert "cuda_graph=True" in hint
+    assert engine.step_advice(model(cuda_graph=True)) == ""
+    figures = {"shares": {"input": 0.0, "wait": 0.0, "comm": 0.0, "callbacks": 0.0,
+                          "other": 0.0}, "late": None, "ranks": [{}], "step_hint": hint,
+               "communication": None}
+    assert advice(figures) == ("no cause above 5%: the step itself (compute) dominates; "
+                               + hint)
