@@ -42,7 +42,7 @@ def _plain_batch_norm(layer, inputs, mask, keras_moments) -> bool:
         return False
     if getattr(layer, "synchronized", False) and runtime.is_multi_process():
         return False  # mgpu's moments over every rank's batch (one process: the local ones)
-X
+    if type(layer)._moments is not keras_moments:  # a subclass computes its own moments
         return False
     if not isinstance(inputs, torch.Tensor) or inputs.ndim < 2:
         return False
