@@ -7,8 +7,8 @@
 # under every backend; MGPU_TEST_EVERY_BACKEND=1 runs them under each, about 15 more minutes).
 # The tests marked `cluster` (root, namespaces, Slurm) are left out: scripts/test_cluster.sh
 # runs them. Each pass runs MGPU_TEST_WORKERS test files at once (pytest-xdist; default 2: a
-# test's ranks leave half of a 2-core box idle while they start and wait, so the TF pass takes
-# 1260 s instead of about 1526 s there; 0 runs them one at a time). Extra arguments go to pytest.
+# test's ranks leave half of a 2-core box idle while they start and wait; 0 runs them one at a
+# time). Times of the whole run: benchmarks/test_times.md. Extra arguments go to pytest.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
