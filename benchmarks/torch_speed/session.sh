@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 54's GPU runs, one stage per device call (each < 10 minutes), from the project root on
 # the GPU machine with .whl carried (benchmarks/gpu_setup.sh; no TensorFlow needed):
-#     bash benchmarks/torch_speed/session.sh bf16|fp32|four_bf16|four_fp32|profile|matrix
+#     bash benchmarks/torch_speed/session.sh bf16|fp32|four_bf16|four_fp32|profile|matrix|hub
 # bf16 / fp32: mgpu-bench ResNet-50, Keras-torch with the captured step (--cuda-graph 1) and
 # native torch at 1 and 2 GPUs in one invocation, then the same Keras-torch row at 1 GPU with
 # MGPU_TORCH_KERNELS=0 (Keras's own lowering: the "before") and eager (--cuda-graph 0: what a
@@ -16,6 +16,14 @@ export KERAS_BACKEND=torch
 . benchmarks/gpu_setup.sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, torchvision, keras; print('torch', torch.__version__, 'torchvision', torchvision.__version__, 'keras', keras.__version__)"
+matrix() {  # name, JSON case list, seconds: tests/scripts/exactness.py on 2 GPUs (TF32 off), checked
+  mkdir -p "/tmp/$1"
+  EXACTNESS_FP32=1 NVIDIA_TF32_OVERRIDE=0 timeout "$3" mgpu-train -np 2 tests/scripts/exactness.py \
+    "$2" "/tmp/$1" > "$OUT/matrix_$1.log" 2>&1
+  echo "$1 job: exit $?"
+  PYTHONPATH=tests:$PYTHONPATH python3 benchmarks/multi_gpu/check4.py "/tmp/$1" "$2" 2 \
+    | tee "$OUT/check_$1.txt"
+}
 bench() {  # name, then mgpu-bench arguments
   local name=$1; shift
   echo "=== $name: mgpu-bench $*"
@@ -44,29 +52,16 @@ case $stage in
     grep -A3 "^==" "$OUT/fp32_profile.log"
     ;;
   matrix)
-    cases='["sgd_momentum","adam","embedding_adam","transformer_adamw","lstm","mixed_bfloat16","vision_sync_bn","gpt2_lm_split"]'
-    mkdir -p /tmp/matrix
-    EXACTNESS_FP32=1 NVIDIA_TF32_OVERRIDE=0 timeout 250 mgpu-train -np 2 tests/scripts/exactness.py \
-      "$cases" /tmp/matrix > "$OUT/matrix_torch.log" 2>&1
-    echo "matrix job: exit $?"
-    PYTHONPATH=tests:$PYTHONPATH python3 benchmarks/multi_gpu/check4.py /tmp/matrix "$cases" 2 \
-      | tee "$OUT/check_torch.txt"
+    matrix torch '["sgd_momentum","adam","embedding_adam","transformer_adamw","lstm","mixed_bfloat16","vision_sync_bn","gpt2_lm_split"]' 250
+    ;;
+  hub)  # 2 GPUs, torch, no TensorFlow on the machine: the keras-hub example's tokens/s at 1 and
+        # 2 GPUs, and the matrix's keras-hub cases fed as arrays (keras-hub needs grain or TF)
+    for np in 1 2; do
+      timeout 130 mgpu-train -np $np examples/keras_hub_causal_lm.py --size small \
+        --precision mixed_bfloat16 --seq-len 128 --batch-size 32 --sequences $((4096 * np)) \
+        --epochs 2 > "$OUT/hub_torch_np$np.log" 2>&1
+      echo "torch np=$np: exit $? $(grep -a 'tokens/s' "$OUT/hub_torch_np$np.log" | tail -2)"
+    done
+    matrix hub_torch '["gpt2_lm_split","bert_classifier_split","bert_lora_split"]' 150
     ;;
 esac
-# hub (2 GPUs, torch, no TensorFlow on the machine): the keras-hub example's tokens/s at 1 and
-# 2 GPUs, and the exactness matrix's keras-hub cases fed as arrays.
-if [ "$stage" = hub ]; then
-  for np in 1 2; do
-    timeout 130 mgpu-train -np $np examples/keras_hub_causal_lm.py --size small \
-      --precision mixed_bfloat16 --seq-len 128 --batch-size 32 --sequences $((4096 * np)) \
-      --epochs 2 > "$OUT/hub_torch_np$np.log" 2>&1
-    echo "torch np=$np: exit $? $(grep -a 'tokens/s' "$OUT/hub_torch_np$np.log" | tail -2)"
-  done
-  cases='["gpt2_lm_split","bert_classifier_split","bert_lora_split"]'
-  mkdir -p /tmp/hub
-  EXACTNESS_FP32=1 NVIDIA_TF32_OVERRIDE=0 timeout 150 mgpu-train -np 2 tests/scripts/exactness.py \
-    "$cases" /tmp/hub > "$OUT/matrix_hub_torch.log" 2>&1
-  echo "hub matrix job: exit $?"
-  PYTHONPATH=tests:$PYTHONPATH python3 benchmarks/multi_gpu/check4.py /tmp/hub "$cases" 2 \
-    | tee "$OUT/check_hub_torch.txt"
-fi

@@ -253,8 +253,8 @@ class GraphedTrainStep:
         except Exception as error:  # noqa: BLE001 - any failure: eager, with the reason
             return self._give_up(data, f"capture failed ({type(error).__name__}: "
                                        f"{str(error).splitlines()[0] if str(error) else ''})"
-                                       + _EAGER_FIRST.format(self.steps_before)
-                                       * bool(self.steps_before))
+                                       + (_EAGER_FIRST.format(self.steps_before)
+                                          if self.steps_before else ""))
         self.graphs[key] = captured
         self.counts["captured"] += 1
         self.counts["replayed"] += 1

@@ -169,7 +169,9 @@ class EfficiencyReport(keras.callbacks.Callback):
             return
         self.figures = analyse([slices for slices, _ in ranks], self.batch_size,
                                combined([timed for _, timed in ranks]))
-        if self.figures is not None:  # the engine's word on a step that dominates
-            self.figures["step_hint"] = engines.get_engine().step_advice(self.model)
-        if self.figures is not None and self.params.get("verbose", 0):
+        if self.figures is None:
+            return
+        # the engine's word on a step that dominates
+        self.figures["step_hint"] = engines.get_engine().step_advice(self.model)
+        if self.params.get("verbose", 0):
             print(render(self.figures), file=sys.stdout, flush=True)
