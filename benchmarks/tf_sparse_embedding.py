@@ -34,8 +34,8 @@ mgpu.init()
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from mgpu_launch.engines import get_engine  # noqa: E402
-from mgpu_launch.engines.reduction import GradientReduction  # noqa: E402
+from mgpu_launch.backends import get_engine  # noqa: E402
+from mgpu_launch.backends.reduction import GradientReduction  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--rows", type=int, default=1_000_000)

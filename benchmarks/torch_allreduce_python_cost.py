@@ -19,12 +19,12 @@ mgpu.init()
 import keras  # noqa: E402
 import torch  # noqa: E402
 
-from mgpu_launch import engines  # noqa: E402
+from mgpu_launch import backends  # noqa: E402
 
 calls = int(sys.argv[1]) if len(sys.argv) > 1 else 200
 model = keras.applications.ResNet50(weights=None)
 tensors = [torch.ones(max(1, v.value.numel() // 1000)) for v in model.trainable_variables]
-engine = engines.get_engine()
+engine = backends.get_engine()
 for _ in range(20):
     engine.allreduce(tensors, average=True)
 rounds = []

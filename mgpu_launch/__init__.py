@@ -7,28 +7,29 @@
 Start the script with ``mgpu-train -np 4 train.py`` (or ``mpirun -np 4 mgpu-train train.py``).
 """
 
-from mgpu_launcher import __version__
-from mgpu_launch.runtime import (NotInitializedError, cross_rank, cross_size, is_chief,
-                                 is_initialized, local_rank, local_size, rank, size)
-from mgpu_launch.runtime.collectives import (Average, Max, Min, MismatchError, ReduceOp, Sum,
-                                             allgather, allgather_object, allreduce, barrier,
-                                             broadcast, broadcast_object)
-from mgpu_launch.runtime.process_sets import (NotInProcessSetError, ProcessSet,
-                                              add_process_set, global_process_set,
-                                              remove_process_set)
-# init() joins the runtime, sets up the backend's engine and installs the Keras patches, in
-# that order, in plain code (no framework imported until then)
-from mgpu_launch.training.bootstrap import init, shutdown
+from mgpu_launch.config import __version__
 
-# The Keras-facing parts import keras (and with it the backend); load them on first use so
-# that `import mgpu_launch` and the host collectives stay light.
+# Every name loads on first use: `import mgpu_launch` imports no framework, no Keras, not even
+# numpy, so the launcher (which imports mgpu_launch.config) starts in a fraction of a second.
+# init() joins the runtime, sets up the backend's engine and installs the Keras patches, in
+# that order, in plain code (training/bootstrap.py).
 _LAZY = {
+    **dict.fromkeys(("NotInitializedError", "cross_rank", "cross_size", "is_chief",
+                     "is_initialized", "local_rank", "local_size", "rank", "size"),
+                    "mgpu_launch.runtime"),
+    **dict.fromkeys(("Average", "Max", "Min", "MismatchError", "ReduceOp", "Sum", "allgather",
+                     "allgather_object", "allreduce", "barrier", "broadcast",
+                     "broadcast_object"), "mgpu_launch.runtime.collectives"),
+    **dict.fromkeys(("NotInProcessSetError", "ProcessSet", "add_process_set",
+                     "global_process_set", "remove_process_set"),
+                    "mgpu_launch.runtime.process_sets"),
+    "init": "mgpu_launch.training.bootstrap", "shutdown": "mgpu_launch.training.bootstrap",
     "DistributedOptimizer": "mgpu_launch.training.optimizer",
     "scale_lr": "mgpu_launch.training.optimizer", "load_model": "mgpu_launch.training.saving",
-    "Compression": "mgpu_launch.engines.compression",
+    "Compression": "mgpu_launch.backends.compression",
     "callbacks": "mgpu_launch.callbacks", "data": "mgpu_launch.data",
     "layers": "mgpu_launch.layers",
-    "run": "mgpu_launch.runtime.launch", "RemoteError": "mgpu_launch.runtime.launch",
+    "run": "mgpu_launcher.python_api", "RemoteError": "mgpu_launcher.python_api",
 }
 
 

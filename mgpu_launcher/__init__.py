@@ -38,7 +38,7 @@ In standalone mode with restarts (``mgpu-train -np N --max-restarts M``, M > 0) 
 
     MGPU_RESTART_COUNT               0 for the first attempt, 1 after the first restart, ...
                                      (``--max-restarts``)
-    MGPU_PROGRESS_MARKER             1: rank 0 prints worker.PROGRESS_MARKER after its first
+    MGPU_PROGRESS_MARKER             1: rank 0 prints markers.PROGRESS_MARKER after its first
                                      training step, so a failure after it is worth a restart
 
 In elastic mode (``--host-discovery-script``; mgpu_launcher.elastic) also MGPU_ELASTIC=1: the
@@ -49,4 +49,4 @@ KERAS_HOME, VIRTUAL_ENV, every MGPU_*, NCCL_*, XLA_*, TF_*, JAX_*, CUDA_*, OMP_*
 is set, and each ``-x VAR``.
 """
 
-__version__ = "0.1.0"
+from mgpu_launch.config import __version__  # noqa: F401 (one version for both packages)

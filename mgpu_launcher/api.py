@@ -19,7 +19,8 @@ import shlex
 import sys
 from typing import List, Optional, Tuple
 
-from mgpu_launcher import elastic, hostfiles, mpirun, restarts, settings, supervisor, worker
+from mgpu_launcher import elastic, hostfiles, mpirun, restarts, supervisor, worker
+from mgpu_launch.config import settings
 from mgpu_launcher.usage import PROG
 
 #: Forwarded to every rank (remote hosts included) whenever they are set.

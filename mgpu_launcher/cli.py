@@ -24,8 +24,8 @@ import shlex
 import sys
 from typing import Optional, Sequence
 
-from mgpu_launcher import (__version__, api, devices, elastic, environments, hostfiles, mpirun,
-                           settings, usage)
+from mgpu_launcher import __version__, api, elastic, hostfiles, mpirun, usage
+from mgpu_launch.config import devices, environments, settings
 from mgpu_launcher.api import Config
 from mgpu_launcher.usage import KERAS_BACKENDS, PROG, UsageError  # noqa: F401 (public here)
 

@@ -26,7 +26,7 @@ each step printed once on mgpu-train's stderr:
    that is neither a killed process nor a lost host (a SyntaxError, a bad argument) is not
    restarted; nor is one that repeats the attempt before it identically (the same error from
    a rank, and the same last backup point: rank 0 reports each with
-   ``worker.BACKUP_MARKER``), unless ``MGPU_STOP_REPEATED_FAILURE=0``.
+   ``markers.BACKUP_MARKER``), unless ``MGPU_STOP_REPEATED_FAILURE=0``.
 5. The job ending with status 0 without such a stop ends mgpu-train with 0.
 """
 
@@ -38,9 +38,10 @@ import threading
 import time
 from typing import Callable, Optional, Set
 
-from mgpu_launcher import discovery, elastic_failures, restarts, settings, supervisor
+from mgpu_launcher import discovery, elastic_failures, restarts, supervisor
+from mgpu_launch.config import settings
 from mgpu_launcher.elastic_failures import say
-from mgpu_launcher.worker import ELASTIC_VARIABLE, RESIZE_SIGNAL
+from mgpu_launch.config.markers import ELASTIC_VARIABLE, RESIZE_SIGNAL
 
 DEFAULT_TIMEOUT_S = settings.SETTINGS["MGPU_ELASTIC_TIMEOUT"].default
 DEFAULT_COOLDOWN_S = settings.SETTINGS["MGPU_BLACKLIST_COOLDOWN"].default
@@ -82,7 +83,7 @@ def options_from(np: int, min_np: Optional[str], max_np: Optional[str], script: 
 
     Raises:
         ValueError: a bad value or combination, with the fix in the message (a bad variable:
-            mgpu_launcher.settings.SettingError).
+            mgpu_launch.config.settings.SettingError).
     """
     given = {}
     for name, flag, variable, value in (

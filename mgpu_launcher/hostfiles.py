@@ -28,7 +28,8 @@ import os
 import shlex
 from typing import List, Mapping, Optional, Tuple
 
-from mgpu_launcher import hostlists, mpirun, settings
+from mgpu_launcher import hostlists, mpirun
+from mgpu_launch.config import settings
 
 #: set by the MPI Operator (and read by Open MPI 4's mpirun) to the job's hostfile
 HOSTFILE_VARIABLE = "OMPI_MCA_orte_default_hostfile"
@@ -119,7 +120,7 @@ def slots_per_host(flag: Optional[str], environ: Mapping[str, str]) -> Tuple[Opt
 
     Raises:
         HostfileError: ``--slots-per-host`` is not a whole number >= 1.
-        mgpu_launcher.settings.SettingError: nor is ``$MGPU_SLOTS_PER_HOST``.
+        mgpu_launch.config.settings.SettingError: nor is ``$MGPU_SLOTS_PER_HOST``.
     """
     if flag is not None:
         if not flag.isdigit() or int(flag) < 1:

@@ -29,8 +29,10 @@ import threading
 import time
 from typing import Callable, List, Optional
 
+from mgpu_launch.config import settings_table
+
 #: how long a line waits for the other ranks' copies (MGPU_MERGE_SECONDS overrides)
-DEFAULT_WINDOW = 3.0
+DEFAULT_WINDOW = settings_table.MERGE_WINDOW
 # glog's prefix: severity, date, time, thread id. Only "I file:line]" is kept for comparison.
 _GLOG = re.compile(r"^([IWEF])\d{4} [\d:.]+\s+\d+ ")
 #: start-up lines dropped: they tell of the machinery, nothing a user acts on

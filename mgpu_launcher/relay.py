@@ -18,9 +18,10 @@ import signal
 import threading
 from typing import Deque, Dict, List, Optional, TextIO, Tuple
 
-from mgpu_launcher import merge, settings
+from mgpu_launcher import merge
+from mgpu_launch.config import settings
 from mgpu_launcher.mpirun import Flavour
-from mgpu_launcher.worker import (BACKUP_MARKER, FAILURE_MARKER, PROGRESS_MARKER, RESIZE_MARKER,
+from mgpu_launch.config.markers import (BACKUP_MARKER, FAILURE_MARKER, PROGRESS_MARKER, RESIZE_MARKER,
                                   STALL_MARKER)
 
 TAIL_LINES = 20

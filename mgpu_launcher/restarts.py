@@ -36,7 +36,7 @@ from typing import Callable, Optional, Tuple
 
 from mgpu_launcher.usage import PROG
 
-#: rank 0 prints worker.PROGRESS_MARKER after its first step: a failure after it is worth a
+#: rank 0 prints markers.PROGRESS_MARKER after its first step: a failure after it is worth a
 #: restart (set in the job's environment whenever it may be restarted)
 PROGRESS_VARIABLE = "MGPU_PROGRESS_MARKER"
 #: which attempt the ranks belong to: 0 for the first, 1 after the first restart, ...

@@ -27,7 +27,8 @@ import threading
 import time
 from typing import Callable, Dict, Iterator, Optional, Sequence, TextIO, Tuple
 
-from mgpu_launcher import devices, mpirun, sessions
+from mgpu_launcher import mpirun, sessions
+from mgpu_launch.config import devices
 from mgpu_launcher.mpirun import Flavour
 from mgpu_launcher.relay import Failure, OutputRelay
 
@@ -38,7 +39,7 @@ class Outcome:
 
     status: int  # mpirun's exit status; 128+N when mgpu-train was stopped by signal N
     stopped_by: Optional[int] = None  # the signal that stopped mgpu-train itself
-    progressed: bool = False  # a rank finished a training step (worker.PROGRESS_MARKER)
+    progressed: bool = False  # a rank finished a training step (markers.PROGRESS_MARKER)
     cause: Optional[Failure] = None  # the root cause of a failure, when known
     leftovers: Tuple[int, ...] = ()  # processes of the job still alive after the teardown
     resized: Optional[str] = None  # where an elastic job stopped to resize (RESIZE_MARKER)

@@ -7,10 +7,10 @@ import os
 import re
 from typing import Optional, Sequence
 
-from mgpu_launcher import devices, settings
+from mgpu_launch.config import devices, settings
 
 PROG = "mgpu-train"
-#: the Keras backends mgpu_launch has an engine for (mgpu_launch.engines.ENGINES; this package
+#: the Keras backends mgpu_launch has an engine for (mgpu_launch.backends.ENGINES; this package
 #: imports nothing of the library, tests/launcher/test_cli.py checks that the two lists agree)
 KERAS_BACKENDS = ("tensorflow", "jax", "torch")
 

@@ -14,32 +14,9 @@ import signal
 import sys
 from typing import Optional, Sequence
 
-from mgpu_launcher import devices, environments, settings
-
-#: Prefix of the line a failing rank prints to stderr; the supervisor looks for it.
-FAILURE_MARKER = "mgpu-train: rank failure:"
-#: Prefix of the line rank 0 prints when the stall inspector ends the job (``[late rank] text``).
-STALL_MARKER = "mgpu-train: job stalled:"
-#: Printed once (rank 0, stderr) when the first training step is done and ``MGPU_PROGRESS_MARKER``
-#: is set: the supervisor then knows a failure of this attempt is worth a restart.
-PROGRESS_MARKER = "mgpu-train: first step done"
-#: Printed once (rank 0, stderr) when an elastic job stops at a backup point because mgpu-train
-#: asked it to (to restart with another size), followed by where it stopped.
-RESIZE_MARKER = "mgpu-train: stopped for a resize:"
-#: Printed (rank 0, stderr) at every backup point of an elastic job, followed by the point: the
-#: elastic loop tells a failure that repeats at the same point from one after progress.
-BACKUP_MARKER = "mgpu-train: backup point:"
-#: Set to "1" by mgpu-train's elastic mode in every rank.
-ELASTIC_VARIABLE = "MGPU_ELASTIC"
-#: What elastic mgpu-train sends mpirun (which forwards it to every rank) to ask for that stop.
-RESIZE_SIGNAL = signal.SIGUSR1
-_resize_requested = []
-
-
-def resize_requested() -> bool:
-    """Whether mgpu-train asked this rank (:data:`RESIZE_SIGNAL`) to stop at a backup point."""
-    return bool(_resize_requested)
-
+from mgpu_launch.config import devices, environments, settings
+from mgpu_launch.config.markers import (ELASTIC_VARIABLE, FAILURE_MARKER, RESIZE_SIGNAL,  # noqa: F401
+                                         _resize_requested, abort_job, describe_exception)
 
 def export_placement(placement: environments.Placement, environ=os.environ) -> None:
     """Export the placement as MGPU_* variables for the runtime and the user's code."""
@@ -89,32 +66,6 @@ def _user_frames(tb):
     return tb
 
 
-def describe_exception(error: BaseException, status: int) -> str:
-    """``Type: first line of the message (exit code N)`` — without notes (JAX adds some)."""
-    lines = str(error).strip().splitlines()
-    first = f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__
-    return f"{first} (exit code {status})"
-
-
-def abort_job(status: int, reason: str, marker: str = FAILURE_MARKER,
-              rank: Optional[int] = None) -> None:
-    """End this rank so the whole job ends: MPI_Abort when MPI is up, else exit hard.
-
-    First prints the marker line (the supervisor's root cause): `marker`, then ``[rank]`` when
-    the cause is another rank (the stall inspector names the late one), then `reason`. MPI_Abort
-    makes mpirun kill every rank, including those blocked in a collective. Without MPI (the
-    program never called ``mgpu.init()``), mpirun ends the job on our non-zero exit.
-    """
-    about = f" [{rank}]" if rank is not None else ""
-    print(f"{marker}{about} {reason}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        mpi.COMM_WORLD.Abort(status or 1)
-    os._exit(status or 1)
-
-
 def run(kind: str, target: str, args: Sequence[str], pin: bool = True,
         placement: Optional[environments.Placement] = None) -> int:
     """Run one rank's program; returns its exit status (or does not return: see abort_job).
@@ -123,7 +74,7 @@ def run(kind: str, target: str, args: Sequence[str], pin: bool = True,
         kind: "script", "module" or "code".
         target: the script path, module name or code string.
         args: the program's arguments (``sys.argv[1:]``).
-        pin: pin GPU `local_rank` to this process (see mgpu_launcher.devices).
+        pin: pin GPU `local_rank` to this process (see mgpu_launch.config.devices).
         placement: where this rank stands; detected from the environment when None.
     """
     placement = placement or environments.detect()

@@ -145,7 +145,7 @@ def test_the_stale_name_check_finds_planted_names(tmp_path):
     planted = tmp_path / "planted.py"
     planted.write_text('"""Moved here from keras_patches (see mgpu_launch.runtime.nothing and\n'
                        'mgpu_launch/runtime/gone.py); mgpu_launch.runtime.folders is fine."""\n'
-                       '# mgpu_launcher.settings.flag and mgpu_launcher.cli.nope\n')
+                       '# mgpu_launch.config.settings.flag and mgpu_launcher.cli.nope\n')
     found = stale_names(planted)
     assert [o.split(": ", 1)[1] for o in found] == [
         "keras_patches (a module that no longer exists)", "mgpu_launch.runtime.nothing",

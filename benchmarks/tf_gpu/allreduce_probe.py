@@ -40,8 +40,8 @@ def timed(call, read):
 
 def tensorflow_rows():
     import tensorflow as tf
-    from mgpu_launch import engines
-    engine = engines.get_engine()
+    from mgpu_launch import backends
+    engine = backends.get_engine()
     rows = []
     for megabytes in SIZES_MB:
         count = int(megabytes * 1e6 / 4)
@@ -61,8 +61,8 @@ def serialization_rows():
     work (16 matrix products, a few ms) with and without a 4 MB allreduce that depends on it:
     host seconds inside each call against wall seconds per call (20 calls, then one read)."""
     import tensorflow as tf
-    from mgpu_launch import engines
-    engine = engines.get_engine()
+    from mgpu_launch import backends
+    engine = backends.get_engine()
     with tf.device("/GPU:0"):
         a = tf.random.normal([4096, 4096], seed=1) * 0.01
         x = tf.random.normal([4096, 4096], seed=2)
@@ -106,8 +106,8 @@ def torch_rows():
 
 
 def mgpu_gpu() -> bool:
-    from mgpu_launch import engines
-    return engines.get_engine().compiles_collectives()
+    from mgpu_launch import backends
+    return backends.get_engine().compiles_collectives()
 
 
 backend = keras.backend.backend()

@@ -38,7 +38,7 @@ def main(out_path: str) -> int:
     import keras
     import torch
 
-    from mgpu_launch.engines.torch_graph import CudaGraphFallbackWarning
+    from mgpu_launch.backends.torch.graph import CudaGraphFallbackWarning
 
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False

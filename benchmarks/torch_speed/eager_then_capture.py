@@ -38,7 +38,7 @@ def child(spec) -> dict:
     import torch
 
     import mgpu_launch as mgpu
-    from mgpu_launch.engines import torch_graph
+    from mgpu_launch.backends.torch import graph as torch_graph
 
     errors = []
     capture = torch_graph.GraphedTrainStep._capture

@@ -52,7 +52,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from mgpu_launcher import devices
+from mgpu_launch.config import devices
 from mgpu_launch.bench import jobs, report, result_file, resume
 from mgpu_launch.bench.models import MODELS
 from mgpu_launch.bench.worker import DATA_FORMATS

@@ -9,7 +9,7 @@ import sys
 import threading
 from typing import Dict, List, Optional
 
-from mgpu_launcher import devices
+from mgpu_launch.config import devices
 from mgpu_launch.runtime import folders
 
 

@@ -84,8 +84,8 @@ def skip_allreduce(model, skip: bool) -> bool:
     Returns:
         Whether the engine supports it; when it does, the train function is rebuilt.
     """
-    from mgpu_launch import engines
-    engine = engines.get_engine()
+    from mgpu_launch import backends
+    engine = backends.get_engine()
     if not hasattr(engine, "skip_allreduce") or mgpu.size() == 1:
         return False
     engine.skip_allreduce = skip

@@ -46,7 +46,7 @@ from typing import Optional
 import keras
 import numpy as np
 
-from mgpu_launch import engines, keras_internals, runtime
+from mgpu_launch import backends, keras_internals, runtime
 from mgpu_launch.horovod.elastic_state import State, run, size as _size
 from mgpu_launch.horovod.object_state import STATE_DIR_VARIABLE, ObjectState, state_dir
 from mgpu_launch.runtime import collectives
@@ -146,7 +146,7 @@ class KerasState(State):
         snapshot :meth:`restore` returns to (Horovod's). Call it on every rank."""
         if runtime.is_multi_process():
             self._build_optimizer()
-            engines.get_engine().broadcast_variables(model_state_variables(self.model), 0)
+            backends.get_engine().broadcast_variables(model_state_variables(self.model), 0)
             for name, value in collectives.broadcast_object(self._values()).items():
                 setattr(self, name, value)
         self._snapshot = self._take_snapshot()

@@ -43,7 +43,7 @@ import sys
 
 import keras
 
-from mgpu_launch import engines, keras_internals, runtime
+from mgpu_launch import backends, keras_internals, runtime
 from mgpu_launch.horovod import elastic, keras_callbacks as callbacks, support
 from mgpu_launch.horovod.keras_values import (allgather, allreduce, broadcast, broadcast_object,
                                               reducescatter)
@@ -52,9 +52,9 @@ from mgpu_launch.horovod.support import (Adasum, Average, ProcessSet, Sum, add_p
                                          gloo_built, gloo_enabled, mpi_built, mpi_enabled,
                                          mpi_threads_supported, nccl_built, remove_process_set,
                                          rocm_built)
-from mgpu_launch.runtime import (cross_rank, cross_size, is_initialized, launch as _launch,
-                                 local_rank, local_size, rank, shutdown, size)
-from mgpu_launch.engines.compression import Compression
+from mgpu_launch.runtime import cross_rank, cross_size, is_initialized, local_rank, local_size, rank, shutdown, size
+from mgpu_launcher import python_api as _launch
+from mgpu_launch.backends.compression import Compression
 from mgpu_launch.training import optimizer as _optimizer, patches, saving
 from mgpu_launch.training.callbacks import model_state_variables
 from mgpu_launch.training.layers import SyncBatchNormalization
@@ -140,7 +140,7 @@ def broadcast_global_variables(root_rank):
     variables = [v for name in sorted(models) for v in model_state_variables(models[name][0])]
     if runtime.is_multi_process():
         _optimizer.check_same_variables(variables, "the live Keras models' variables")
-        engines.get_engine().broadcast_variables(variables, root_rank)
+        backends.get_engine().broadcast_variables(variables, root_rank)
 
 
 # -- optimizer and model -------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Thin layers over ``mgpu_launch.callbacks`` that take Horovod's arguments; import
 ``mgpu_launch.keras``, which registers this module as ``mgpu_launch.keras.callbacks``.
 """
 
-from mgpu_launch import engines, runtime
+from mgpu_launch import backends, runtime
 from mgpu_launch.horovod import support
 from mgpu_launch.training import callbacks as _callbacks
 from mgpu_launch.training.callbacks import model_state_variables
@@ -46,7 +46,7 @@ class BroadcastGlobalVariablesCallback(_callbacks.BroadcastGlobalVariablesCallba
             if register is not None:
                 register(variable)
         if runtime.is_multi_process():
-            engines.get_engine().broadcast_variables(
+            backends.get_engine().broadcast_variables(
                 [v for v in model_state_variables(self.model) if id(v) not in local],
                 self.root_rank)
 

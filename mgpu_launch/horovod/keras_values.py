@@ -11,11 +11,11 @@ values follow ``horovod.tensorflow``'s): only the set's members call it.
 import keras
 import numpy as np
 
-from mgpu_launch import engines, runtime
+from mgpu_launch import backends, runtime
 from mgpu_launch.horovod import support, tensorflow_ops
 from mgpu_launch.horovod.support import Average, global_process_set
 from mgpu_launch.runtime import collectives
-from mgpu_launch.engines.compression import Compression
+from mgpu_launch.backends.compression import Compression
 
 _NAME = "mgpu_launch.keras"
 
@@ -76,7 +76,7 @@ def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_fac
 
 def _in_graph() -> bool:
     """Inside a tf.function (TensorFlow backend): the values have no host copy."""
-    return runtime.is_initialized() and engines.get_engine_or_default().tracing()
+    return runtime.is_initialized() and backends.get_engine_or_default().tracing()
 
 
 def allgather(value, name=None, process_set=global_process_set):

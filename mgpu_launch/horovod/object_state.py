@@ -30,7 +30,7 @@ from mgpu_launch.horovod.elastic_state import State
 from mgpu_launch.horovod.elastic_store import CommitStore
 from mgpu_launch.runtime import collectives
 from mgpu_launch.training import resize, stall_probes
-from mgpu_launcher import settings
+from mgpu_launch.config import settings
 
 __all__ = ["ObjectState", "STATE_DIR_VARIABLE", "DEFAULT_DIR"]
 

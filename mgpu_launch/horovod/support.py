@@ -13,13 +13,13 @@ the reason and what to use instead; every Horovod argument that cannot be honour
 import os
 from typing import Dict, List
 
-from mgpu_launch import engines, runtime
+from mgpu_launch import backends, runtime
 from mgpu_launch.training import bootstrap
 from mgpu_launch.runtime import collectives, process_sets, timeline
 from mgpu_launch.runtime.collectives import Average, Max, Min, Product, Sum
 from mgpu_launch.runtime.process_sets import (ProcessSet, add_process_set, global_process_set,
                                               remove_process_set)
-from mgpu_launcher import settings
+from mgpu_launch.config import settings
 
 #: Horovod's Adasum reduction. Not implemented here: passing it raises ValueError.
 Adasum = "adasum"
@@ -104,7 +104,7 @@ def process_set_group(namespace: str, process_set, what: str, engine_needed: boo
     """
     group = process_sets.group_of(process_set, what, member)
     if engine_needed and group.process_set_id and runtime.is_multi_process():
-        engine = engines.get_engine()
+        engine = backends.get_engine()
         if not engine.supports_process_sets():
             reject(namespace, "process_set", process_set, f"the {engine.name} engine reduces "
                    f"over every process of the job only ({engine.process_sets_reason()}). "
@@ -177,7 +177,7 @@ def gloo_enabled() -> bool:
 
 
 def _build(what: str) -> bool:
-    return bool(engines.get_engine_or_default().build_info().get(what, False))
+    return bool(backends.get_engine_or_default().build_info().get(what, False))
 
 
 def nccl_built() -> bool:

@@ -16,7 +16,7 @@
         return loss
 
 The collectives are TensorFlow's own in-graph collective ops, issued through the TensorFlow
-engine (``mgpu_launch.engines.tensorflow``): they run inside a ``tf.function`` and eagerly,
+engine (``mgpu_launch.backends.tensorflow.engine``): they run inside a ``tf.function`` and eagerly,
 in program order (every rank must call them in the same order, as with Horovod). Under XLA
 (``jit_compile=True``) they compile where the engine's allreduce does (GPU with NCCL, not on
 CPU); ``allgather``, ``alltoall`` and sparse gradients never compile (their shapes depend on
@@ -46,7 +46,7 @@ from mgpu_launch.horovod.tensorflow_ops import (allgather, allreduce, alltoall, 
                                                 grouped_reducescatter, reducescatter)
 from mgpu_launch.runtime import (collectives, cross_rank, cross_size, is_initialized, local_rank,
                                  local_size, process_sets, rank, shutdown, size)
-from mgpu_launch.engines.compression import Compression
+from mgpu_launch.backends.compression import Compression
 from mgpu_launch.training import patches
 from mgpu_launch.training.layers import SyncBatchNormalization
 

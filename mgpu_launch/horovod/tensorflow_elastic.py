@@ -33,7 +33,7 @@ from typing import List, Optional
 
 import numpy as np
 
-from mgpu_launch import engines
+from mgpu_launch import backends
 from mgpu_launch.horovod.elastic import KerasState, run
 from mgpu_launch.horovod.object_state import ObjectState
 
@@ -130,4 +130,4 @@ class TensorFlowState(ObjectState):
             variable.assign(value)
 
     def _broadcast_variables(self) -> None:
-        engines.get_engine().broadcast_variables(self.variables, 0)
+        backends.get_engine().broadcast_variables(self.variables, 0)

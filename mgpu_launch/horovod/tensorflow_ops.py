@@ -2,12 +2,12 @@
 
 The value functions of ``mgpu_launch.tensorflow`` (Horovod's ``horovod.tensorflow`` names and
 arguments), also used by ``mgpu_launch.keras`` inside a ``tf.function``. They call the
-TensorFlow engine's collectives (``mgpu_launch.engines.tensorflow``): sums and averages fused
+TensorFlow engine's collectives (``mgpu_launch.backends.tensorflow.engine``): sums and averages fused
 per dtype (``CollectiveReduceV2``), min / max / product, a ragged allgather, a broadcast.
 On one process each returns its input (scaled where asked).
 
 ``process_set=``: a registered ``hvd.ProcessSet`` runs the collective among its members, as
-a TensorFlow collective group of their own (``mgpu_launch.engines.tensorflow_collectives``);
+a TensorFlow collective group of their own (``mgpu_launch.backends.tensorflow.collectives``);
 ``root_rank`` stays a global rank, averages divide by the set's size, and reducescatter /
 alltoall split by the members' positions in the set. A rank outside the set gets
 ``NotInProcessSetError`` (a ValueError) when it calls (or traces) the op.
@@ -19,12 +19,12 @@ import keras
 import numpy as np
 from keras import ops
 
-from mgpu_launch import engines, runtime
-from mgpu_launch.engines.reduction import GradientReduction
+from mgpu_launch import backends, runtime
+from mgpu_launch.backends.reduction import GradientReduction
 from mgpu_launch.horovod import support
 from mgpu_launch.horovod.support import global_process_set, process_set_group
 from mgpu_launch.runtime.collectives import Average, Max, Min, Product
-from mgpu_launch.engines.compression import Compression
+from mgpu_launch.backends.compression import Compression
 
 _NAME = "mgpu_launch.tensorflow"
 _MERGE = {Min: "min", Max: "max", Product: "product"}
@@ -32,7 +32,7 @@ _MERGE = {Min: "min", Max: "max", Product: "product"}
 
 def _engine():
     runtime.state.require()
-    return engines.graph_collectives(_NAME)
+    return backends.graph_collectives(_NAME)
 
 
 def _integer(tensor) -> bool:

@@ -6,12 +6,12 @@ is the wrapped tape's, and ``with hvd.DistributedGradientTape(tf.GradientTape())
 records on it.
 """
 
-from mgpu_launch import engines, runtime
-from mgpu_launch.engines.reduction import GradientReduction
+from mgpu_launch import backends, runtime
+from mgpu_launch.backends.reduction import GradientReduction
 from mgpu_launch.horovod import support
 from mgpu_launch.horovod.support import ProcessSet, global_process_set
 from mgpu_launch.runtime.collectives import Average, Sum
-from mgpu_launch.engines.compression import Compression
+from mgpu_launch.backends.compression import Compression
 
 _NAME = "mgpu_launch.tensorflow"
 
@@ -123,7 +123,7 @@ class DistributedGradientTape:
             options = GradientReduction(
                 average=self.op is Average, prescale=1.0 / factor, postscale=factor,
                 compression=self.compression, sparse_as_dense=self.sparse_as_dense)
-            reduced = engines.get_engine().reduce_gradients(
+            reduced = backends.get_engine().reduce_gradients(
                 [grads[i] for i in shared], [sources[i] for i in shared], options, group=group)
             for i, gradient in zip(shared, reduced):
                 result[i] = gradient

@@ -30,7 +30,7 @@ The layers above (engines, training, horovod) import from here; nothing here imp
 
 The process's place in the job, and the MPI communicator behind it: one state object.
 
-``init()`` reads the placement the launcher left in the environment (mgpu_launcher.environments),
+``init()`` reads the placement the launcher left in the environment (mgpu_launch.config.environments),
 starts MPI when there is more than one process, and derives the local (same host) and cross
 (same local rank, across hosts) communicators the way Horovod does. With one process and no
 launcher it starts nothing: every collective is then a copy, and costs nothing measurable.
@@ -43,7 +43,8 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from mgpu_launch.runtime import auth, process_sets as _process_sets, stall, timeline
 from mgpu_launch.runtime.errors import NotInitializedError
-from mgpu_launcher import environments, settings, worker
+from mgpu_launch.config import markers
+from mgpu_launch.config import environments, settings
 
 
 @dataclasses.dataclass
@@ -86,7 +87,7 @@ def _abort_on_uncaught(exc_type, exc, tb):
     (state.previous_excepthook or sys.__excepthook__)(exc_type, exc, tb)
     timeline.dump_own("uncaught exception")  # the collective write at shutdown never comes
     status = 130 if issubclass(exc_type, KeyboardInterrupt) else 1
-    worker.abort_job(status, worker.describe_exception(exc, status))
+    markers.abort_job(status, markers.describe_exception(exc, status))
 
 
 def _start_mpi(placement: environments.Placement):
@@ -114,7 +115,7 @@ def init(process_sets=None) -> None:
     the Keras backend's engine and the Keras patches; call that one from a training script.
     On more than one process it starts the stall inspector (mgpu_launch.runtime.stall; knobs
     ``MGPU_STALL_WARNING_S``, ``MGPU_STALL_SHUTDOWN_S``, ``MGPU_STALL_INSPECTOR``).
-    First it checks every ``MGPU_*`` variable (mgpu_launcher.settings; docs/settings.md) and
+    First it checks every ``MGPU_*`` variable (mgpu_launch.config.settings; docs/settings.md) and
     warns, on rank 0, about a name it does not know.
 
     Args:
@@ -125,9 +126,9 @@ def init(process_sets=None) -> None:
             mgpu_launch.runtime.process_sets.
 
     Raises:
-        mgpu_launcher.settings.SettingError: an ``MGPU_*`` variable has a bad value (a
+        mgpu_launch.config.settings.SettingError: an ``MGPU_*`` variable has a bad value (a
             ValueError; the message names the variable, the value and an example).
-        mgpu_launcher.environments.DetectionError: the launcher's variables are contradictory.
+        mgpu_launch.config.environments.DetectionError: the launcher's variables are contradictory.
         RuntimeError: the environment and MPI disagree on the job's size or this rank.
         ValueError: `process_sets` is neither None, a list of ProcessSet nor "dynamic", holds
             ranks outside the job or the same ranks twice; or a later call passes sets that

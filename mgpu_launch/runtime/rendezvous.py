@@ -10,7 +10,7 @@ import ipaddress
 import socket
 from typing import Iterator, Optional, Sequence, Tuple
 
-from mgpu_launcher import settings
+from mgpu_launch.config import settings
 
 
 @contextlib.contextmanager

@@ -36,8 +36,8 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from mgpu_launch.runtime import auth, rendezvous, stall_channel, timeline
-from mgpu_launcher import settings as declared
-from mgpu_launcher import worker
+from mgpu_launch.config import settings as declared
+from mgpu_launch.config import markers
 
 #: seconds between two position reports of a rank (and between two checks on rank 0)
 REPORT_INTERVAL_S = 0.5
@@ -152,7 +152,7 @@ def settings() -> Tuple[bool, Optional[float], Optional[float]]:
     """(enabled, warning seconds, shutdown seconds) from the environment.
 
     Raises:
-        mgpu_launcher.settings.SettingError: a variable does not parse (seconds: a number > 0
+        mgpu_launch.config.settings.SettingError: a variable does not parse (seconds: a number > 0
             or ``off``; the inspector: a flag).
     """
     return (declared.flag("MGPU_STALL_INSPECTOR"), declared.seconds("MGPU_STALL_WARNING_S"),
@@ -163,7 +163,7 @@ def port() -> int:
     """``MGPU_STALL_PORT``: the port rank 0 listens on (0, the default: any free port).
 
     Raises:
-        mgpu_launcher.settings.SettingError: it is not a port number.
+        mgpu_launch.config.settings.SettingError: it is not a port number.
     """
     return declared.integer("MGPU_STALL_PORT")
 
@@ -253,8 +253,8 @@ class Monitor(threading.Thread):
             if shutting_down:
                 time.sleep(1.0)  # let the late ranks print their stacks before the abort
         if shutting_down:
-            worker.abort_job(1, f"{text} (MGPU_STALL_SHUTDOWN_S={self.shutdown_s:g})",
-                             marker=worker.STALL_MARKER, rank=late[0])
+            markers.abort_job(1, f"{text} (MGPU_STALL_SHUTDOWN_S={self.shutdown_s:g})",
+                             marker=markers.STALL_MARKER, rank=late[0])
 
     def ask_for_stacks(self, ranks: List[int]) -> None:
         for rank in ranks:

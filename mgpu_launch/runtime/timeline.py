@@ -43,7 +43,7 @@ import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from mgpu_launch.runtime import folders, timeline_signals, trace_files
-from mgpu_launcher import settings
+from mgpu_launch.config import settings
 
 #: slices each rank keeps (the oldest go first): about 10 MiB, some 15,000 steps of fit
 CAPACITY = 100_000

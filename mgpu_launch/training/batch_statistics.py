@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 
 from keras import ops
 
-from mgpu_launch import engines, runtime
+from mgpu_launch import backends, runtime
 
 
 def synchronized_moments(inputs, axes, mask=None) -> Optional[Tuple[object, object]]:
@@ -28,7 +28,7 @@ def synchronized_moments(inputs, axes, mask=None) -> Optional[Tuple[object, obje
         collective can run (one process; on JAX, outside mgpu's train step): the caller then
         uses the local statistics.
     """
-    engine = engines.get_engine_or_default()
+    engine = backends.get_engine_or_default()
     if not runtime.is_multi_process() or not engine.reduces_in_step():
         return None
     axes = [axis % len(inputs.shape) for axis in axes]

@@ -5,7 +5,7 @@ Joining a job takes three layers, in this order, written out here in plain code 
 
 1. the runtime (``mgpu_launch.runtime.init``): the placement, MPI, the job key, the process
    sets, the stall inspector and the timeline;
-2. on a multi-process job, the Keras backend's engine (``engines.get_engine().setup``): its own
+2. on a multi-process job, the Keras backend's engine (``backends.get_engine().setup``): its own
    communicator (TF collective ops with NCCL on GPUs, ``jax.distributed``,
    ``torch.distributed``), unless ``MGPU_ENGINE=none``;
 3. the Keras patches every model needs from the start (``training.patches``): synchronized
@@ -18,8 +18,8 @@ Joining a job takes three layers, in this order, written out here in plain code 
 import atexit
 import sys
 
-from mgpu_launch import engines, runtime
-from mgpu_launcher import settings
+from mgpu_launch import backends, runtime
+from mgpu_launch.config import settings
 
 __all__ = ["init", "shutdown"]
 
@@ -53,7 +53,7 @@ def init(process_sets=None) -> None:
     state = runtime.state
     engine_wanted = settings.choice("MGPU_ENGINE") != "none"
     if state.size > 1 and engine_wanted:
-        engines.get_engine().setup(state)
+        backends.get_engine().setup(state)
     _install_patches(state.size, engine_wanted)
 
 
@@ -66,12 +66,12 @@ def _install_patches(size: int, engine_wanted: bool) -> None:
     from mgpu_launch.training import patches
     patches.install_synchronized_batch_norm()
     if size > 1:
-        patches.install_at_init(engines.get_engine().name)
+        patches.install_at_init(backends.get_engine().name)
 
 
 def shutdown() -> None:
     """Leave the job (runs at exit by itself): the engine first, then the runtime. Idempotent;
     ``init()`` may be called again."""
     if runtime.is_initialized():
-        engines.reset()
+        backends.reset()
     runtime.shutdown()

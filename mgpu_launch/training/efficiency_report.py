@@ -20,11 +20,11 @@ from typing import Any, Dict, List, Optional
 import keras
 import numpy as np
 
-from mgpu_launch import engines, runtime
+from mgpu_launch import backends, runtime
 from mgpu_launch.runtime import collectives, timeline
 from mgpu_launch.training.efficiency import TIMED_STEPS, analyse, render
 from mgpu_launch.training.optimizer_options import DistributedOptions
-from mgpu_launcher import settings
+from mgpu_launch.config import settings
 
 #: timed reductions at the end of a fit (after one warm-up); the report takes their median
 REPEATS = 5
@@ -118,7 +118,7 @@ def time_communication(model, own: List[tuple]) -> Optional[Dict[str, Any]]:
         return {"note": "the gradients are reduced within a process set"}
     variables = optimizer.shared_variables(model.trainable_variables)
     try:
-        engine = engines.get_engine()
+        engine = backends.get_engine()
         with timeline.span("gradient allreduce timed alone", "collective"):
             seconds = engine.time_gradient_reduction(variables, optimizer.options.reduction,
                                                      repeats=REPEATS)
@@ -172,6 +172,6 @@ class EfficiencyReport(keras.callbacks.Callback):
         if self.figures is None:
             return
         # the engine's word on a step that dominates
-        self.figures["step_hint"] = engines.get_engine().step_advice(self.model)
+        self.figures["step_hint"] = backends.get_engine().step_advice(self.model)
         if self.params.get("verbose", 0):
             print(render(self.figures), file=sys.stdout, flush=True)

@@ -13,7 +13,7 @@ the global batch instead, as one process with the batches of all ranks would: pe
 step, each rank computes over its local batch, per channel, the sample count n_r, the sum s_r
 and the sum of squared deviations from its own mean M2_r; one small collective inside the
 compiled step (``mgpu_launch.training.batch_statistics``, through
-:meth:`~mgpu_launch.engines.Engine.gather_in_step`: an all-gather on JAX, a sum of one-hot rows
+:meth:`~mgpu_launch.backends.Engine.gather_in_step`: an all-gather on JAX, a sum of one-hot rows
 on TensorFlow and torch) gives every rank every rank's (n_r, s_r, M2_r); each rank then
 combines them (Chan et al.'s parallel variance, as torch's SyncBatchNorm does):
 

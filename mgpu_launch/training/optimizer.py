@@ -10,10 +10,10 @@ from typing import Any, List, Optional
 import keras
 from keras import ops
 
-from mgpu_launch import engines, keras_internals, runtime
+from mgpu_launch import backends, keras_internals, runtime
 from mgpu_launch.runtime import collectives, process_sets
 from mgpu_launch.runtime.collectives import ReduceOp
-from mgpu_launch.engines.compression import Compression, Compressor
+from mgpu_launch.backends.compression import Compression, Compressor
 from mgpu_launch.training import patches
 from mgpu_launch.training import optimizer_sync
 from mgpu_launch.training.optimizer_options import DistributedOptions
@@ -191,10 +191,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         super().build(var_list)
         group = self._group()
         if group is not None and runtime.is_multi_process():
-            engines.get_engine().check_group(group, "DistributedOptimizer(process_set=...)")
+            backends.get_engine().check_group(group, "DistributedOptimizer(process_set=...)")
         if (self.backward_passes_per_step == 1 and runtime.is_multi_process()
                 and group is None):  # a backend that reduces during backward: every rank
-            engines.get_engine().watch(var_list, self.options.reduction)
+            backends.get_engine().watch(var_list, self.options.reduction)
         self._root_sync = optimizer_sync.RootSync(self.process_set, self.shared_variables,
                                                   self._in_step_synced)
         self._sync_from_root()
@@ -234,7 +234,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if group is not None and runtime.rank() not in group.ranks:
             return reduced  # outside the optimizer's set: local gradients, as Horovod's
         within = {} if group is None else {"group": group}
-        summed = engines.get_engine().reduce_gradients(
+        summed = backends.get_engine().reduce_gradients(
             [grads[i] for i in shared], [variables[i] for i in shared], self.options.reduction,
             **within)
         for i, gradient in zip(shared, summed):
@@ -258,7 +258,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if self._accumulation is None:
             reduce_and_apply(list(grads))
         else:
-            self._accumulation.step(list(grads), engines.get_engine_or_default().cond_update,
+            self._accumulation.step(list(grads), backends.get_engine_or_default().cond_update,
                                     reduce_and_apply, list(variables) + self.variables)
 
     # -- forwarded to the inner optimizer ---------------------------------------------------

@@ -11,10 +11,10 @@ be forgotten on the way.
 import dataclasses
 from typing import Any, Optional
 
-from mgpu_launch.engines.reduction import GradientReduction
+from mgpu_launch.backends.reduction import GradientReduction
 from mgpu_launch.runtime import collectives, process_sets
 from mgpu_launch.runtime.collectives import ReduceOp
-from mgpu_launch.engines.compression import Compression, Compressor
+from mgpu_launch.backends.compression import Compression, Compressor
 
 __all__ = ["DistributedOptions"]
 

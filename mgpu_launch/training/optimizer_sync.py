@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import keras
 from keras import ops
 
-from mgpu_launch import engines, keras_internals, runtime
+from mgpu_launch import backends, keras_internals, runtime
 from mgpu_launch.runtime import collectives, process_sets
 from mgpu_launch.runtime.collectives import MismatchError
 
@@ -71,7 +71,7 @@ class RootSync:
         check_same_variables(trainable, "the model's trainable variables", group)
         # Only the model's weights: fresh optimizer slots are equal (zeros) on every rank, and
         # slots created inside the step's trace cannot be read back yet.
-        engine = engines.get_engine()
+        engine = backends.get_engine()
         if engine.readable_on_host(trainable):
             engine.broadcast_variables(self.shared(trainable), root_rank(group), group)
         else:  # created inside the step's trace (TF, lazily built models): sync in the step
@@ -81,7 +81,7 @@ class RootSync:
     def broadcast_in_step(self, variables) -> None:
         """At the first executed step: the root's values, as a sum of (the root's, zeros,
         ...); ``flag`` keeps it to that step."""
-        engine = engines.get_engine()
+        engine = backends.get_engine()
         group = reduction_group(self.process_set)
         is_root = runtime.rank() == root_rank(group)
         within = {} if group is None else {"group": group}

@@ -14,7 +14,7 @@ import time
 from typing import Any, Callable, Iterable, Optional
 
 from mgpu_launch.runtime import timeline
-from mgpu_launcher import settings
+from mgpu_launch.config import settings
 
 
 def prefetch_depth(accelerator: bool) -> int:
@@ -26,7 +26,7 @@ def prefetch_depth(accelerator: bool) -> int:
         accelerator: whether the backend computes on a GPU (or another accelerator).
 
     Raises:
-        mgpu_launcher.settings.SettingError: the variable is not a whole number >= 0.
+        mgpu_launch.config.settings.SettingError: the variable is not a whole number >= 0.
     """
     return settings.integer("MGPU_PREFETCH", fallback=2 if accelerator else 0)
 

@@ -2,15 +2,15 @@
 
 ``mgpu-train --host-discovery-script`` (mgpu_launcher.elastic) runs every rank with
 ``MGPU_ELASTIC=1``; when discovery offers more slots (or a host of the job leaves it) it sends
-mpirun ``SIGUSR1``, which mpirun forwards to every rank, where mgpu_launcher.worker notes it.
+mpirun ``SIGUSR1``, which mpirun forwards to every rank, where mgpu_launcher.worker notes it (mgpu_launch.config.markers.resize_requested).
 The ranks receive it at different moments, so at each backup point of
 ``callbacks.BackupAndRestore`` (after rank 0 wrote the backup) every rank calls
 :func:`stop_here_if_asked`: one allgather decides for all, and when any rank was asked, every
-rank leaves ``fit`` there — rank 0 first prints ``mgpu_launcher.worker.RESIZE_MARKER`` with the
+rank leaves ``fit`` there — rank 0 first prints ``mgpu_launch.config.markers.RESIZE_MARKER`` with the
 position — and exits with status 0. mgpu-train then starts the job again with the new size,
 and BackupAndRestore resumes it from that backup.
 
-At every backup point of an elastic job rank 0 also prints ``mgpu_launcher.worker.BACKUP_MARKER``
+At every backup point of an elastic job rank 0 also prints ``mgpu_launch.config.markers.BACKUP_MARKER``
 with the position (mgpu-train keeps it from the console): when two attempts in a row fail with
 the same error at the same point, mgpu-train stops restarting (mgpu_launcher.elastic).
 """
@@ -19,12 +19,13 @@ import sys
 
 from mgpu_launch import runtime
 from mgpu_launch.runtime import collectives
-from mgpu_launcher import settings, worker
+from mgpu_launch.config import markers
+from mgpu_launch.config import settings
 
 
 def elastic() -> bool:
     """Whether this process is a rank of an elastic mgpu-train job."""
-    return settings.flag(worker.ELASTIC_VARIABLE)
+    return settings.flag(markers.ELASTIC_VARIABLE)
 
 
 def stop_here_if_asked(where: str) -> None:
@@ -42,13 +43,13 @@ def stop_here_if_asked(where: str) -> None:
     if not elastic():
         return
     if runtime.state.rank == 0:  # mgpu-train tells a failure repeated here from a later one
-        print(f"{worker.BACKUP_MARKER} {where}", file=sys.stderr, flush=True)
-    asked = worker.resize_requested()
+        print(f"{markers.BACKUP_MARKER} {where}", file=sys.stderr, flush=True)
+    asked = markers.resize_requested()
     if runtime.is_multi_process():
         asked = any(collectives.allgather_object(asked))
     if not asked:
         return
     if runtime.state.rank == 0:
-        print(f"{worker.RESIZE_MARKER} {where}", file=sys.stderr, flush=True)
+        print(f"{markers.RESIZE_MARKER} {where}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     raise SystemExit(0)

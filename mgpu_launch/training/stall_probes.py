@@ -26,7 +26,8 @@ import keras
 
 from mgpu_launch import runtime
 from mgpu_launch.runtime import stall, timeline
-from mgpu_launcher import settings, worker
+from mgpu_launch.config import markers
+from mgpu_launch.config import settings
 
 
 class _Steps:
@@ -49,7 +50,7 @@ def report_progress() -> None:
     if not _Steps.progress_reported:
         _Steps.progress_reported = True
         if settings.flag("MGPU_PROGRESS_MARKER") and runtime.state.rank == 0:
-            print(worker.PROGRESS_MARKER, file=sys.stderr, flush=True)
+            print(markers.PROGRESS_MARKER, file=sys.stderr, flush=True)
 
 
 class FirstProbe(keras.callbacks.Callback):

@@ -239,7 +239,7 @@ def test_an_unknown_keras_backend_lists_the_ones_that_work(env, argv, monkeypatc
 
 
 def test_the_launchers_backend_list_is_the_engines():
-    from mgpu_launch.engines import ENGINES
+    from mgpu_launch.backends import ENGINES
     assert sorted(cli.KERAS_BACKENDS) == sorted(ENGINES)
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mgpu_launcher.devices import PinningError, keras_backend, pin_gpu, visible_gpus
+from mgpu_launch.config.devices import PinningError, keras_backend, pin_gpu, visible_gpus
 
 
 @pytest.mark.parametrize("value, expected", [

@@ -2,7 +2,7 @@
 
 import pytest
 
-from mgpu_launcher.environments import (SINGLE_PROCESS, DetectionError, detect,
+from mgpu_launch.config.environments import (SINGLE_PROCESS, DetectionError, detect,
                                    expand_tasks_per_node)
 
 OMPI = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",

@@ -13,7 +13,8 @@ import re
 import pytest
 
 from conftest import explain, launch_ok, requires_mpirun
-from mgpu_launcher import devices, merge, mpirun, supervisor
+from mgpu_launcher import merge, mpirun, supervisor
+from mgpu_launch.config import devices
 
 
 class Clock:

@@ -9,8 +9,9 @@ import re
 
 import pytest
 
-from mgpu_launcher import cli, settings
-from mgpu_launcher.settings import SETTINGS, SettingError, SettingWarning
+from mgpu_launcher import cli
+from mgpu_launch.config import settings
+from mgpu_launch.config.settings import SETTINGS, SettingError, SettingWarning
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 #: the value each checked type refuses (text takes anything)
@@ -151,15 +152,15 @@ def test_a_typo_is_a_warning_naming_the_closest_setting(monkeypatch, capsys):
 
 
 def test_a_bad_fusion_size_no_longer_falls_back_to_the_base_engine(monkeypatch):
-    from mgpu_launch import engines
-    monkeypatch.setattr(engines, "_engine", None)
-    assert type(engines.get_engine_or_default("no-such-backend")) is engines.Engine
-    with pytest.raises(engines.UnknownBackend, match="supported: jax, tensorflow, torch"):
-        engines.get_engine("no-such-backend")
+    from mgpu_launch import backends
+    monkeypatch.setattr(backends, "_engine", None)
+    assert type(backends.get_engine_or_default("no-such-backend")) is backends.Engine
+    with pytest.raises(backends.UnknownBackend, match="supported: jax, tensorflow, torch"):
+        backends.get_engine("no-such-backend")
     monkeypatch.setenv("MGPU_FUSION_MB", "big")
     for backend in ("jax", "torch"):
         with pytest.raises(SettingError, match="MGPU_FUSION_MB='big'"):
-            engines.get_engine_or_default(backend)
+            backends.get_engine_or_default(backend)
 
 
 # -- one table: code, docs, --env ---------------------------------------------------------------
@@ -167,7 +168,7 @@ def test_the_docs_table_is_the_declarations():
     docs = (ROOT / "docs" / "settings.md").read_text()
     assert docs == settings.markdown(), (
         "docs/settings.md differs from launcher/_settings_table.py: run "
-        "`python -m mgpu_launcher.settings --markdown > docs/settings.md`")
+        "`python -m mgpu_launch.config.settings --markdown > docs/settings.md`")
 
 
 def test_every_variable_the_project_mentions_is_declared():

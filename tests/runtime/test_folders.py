@@ -8,7 +8,8 @@ import stat
 import pytest
 
 from conftest import as_nobody, shared_folder
-from mgpu_launch.runtime import folders, launch
+from mgpu_launch.runtime import folders
+from mgpu_launcher import python_api as launch
 
 
 def test_a_folder_another_user_made_is_refused_with_what_is_wrong_and_the_fix():

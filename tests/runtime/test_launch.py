@@ -1,4 +1,4 @@
-"""mgpu_launch.run (mgpu_launch/runtime/launch.py): a Python function on N processes through the
+"""mgpu_launch.run (mgpu_launcher/python_api.py): a Python function on N processes through the
 launcher, results back."""
 
 import glob
@@ -60,7 +60,7 @@ def test_a_raising_function_raises_in_the_caller_with_the_remote_traceback(capfd
     assert "rank 1 failed with KeyError: 'no such shard on rank 1'" in str(error)
     assert 'run_fns.py", line' in error.remote_traceback
     assert "raise KeyError" in error.remote_traceback
-    leftover = subprocess.run(["pgrep", "-f", "mgpu_launch.runtime.launch"], capture_output=True,
+    leftover = subprocess.run(["pgrep", "-f", "mgpu_launcher.python_api"], capture_output=True,
                               text=True).stdout.split()
     assert not leftover, f"ranks left running: {leftover}"
 

@@ -16,7 +16,8 @@ import pytest
 import faultkit
 import mgpu_launch
 from conftest import SCRIPTS, as_nobody, job_env, requires_mpirun, shared_folder
-from mgpu_launch.runtime import auth, launch, rendezvous, stall_channel
+from mgpu_launch.runtime import auth, rendezvous, stall_channel
+from mgpu_launcher import python_api as launch
 
 # --- the boundary itself, in one process --------------------------------------------------
 

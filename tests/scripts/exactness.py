@@ -37,7 +37,7 @@ import exactness_hub  # noqa: E402 - the keras-hub cases, beside this worker
 
 def forbid_dynamic_gather() -> None:
     """EXACTNESS_STATIC_ONLY=1: the dynamic (not XLA-compilable) gather raises if reached."""
-    from mgpu_launch.engines import tensorflow_collectives
+    from mgpu_launch.backends.tensorflow import collectives as tensorflow_collectives
 
     def refused(engine, tensors):
         raise AssertionError("the dynamic allgather ran; MGPU_TF_SPARSE_GATHER=static expected "

@@ -33,7 +33,7 @@ import numpy as np
 
 import mgpu_launch as mgpu
 from mgpu_launch.training.callbacks.schedule import velocity_slots
-from mgpu_launcher import worker
+from mgpu_launch.config import markers as worker
 
 mgpu.init()
 import keras  # noqa: E402

@@ -1,4 +1,4 @@
-"""Test worker for tests/engines/test_tensorflow_unknown_shapes.py (issue 48): the TensorFlow
+"""Test worker for tests/backends/test_tensorflow_unknown_shapes.py (issue 48): the TensorFlow
 engine's allreduce on tensors whose static shape is unknown inside a tf.function, as a
 Horovod-style custom loop meets them (``hvd.allreduce`` of a per-batch tensor).
 
@@ -19,7 +19,7 @@ import mgpu_launch as mgpu
 mgpu.init()
 import tensorflow as tf  # noqa: E402 - after init, as the README asks
 
-from mgpu_launch.engines import get_engine  # noqa: E402
+from mgpu_launch.backends import get_engine  # noqa: E402
 
 rank = mgpu.rank()
 

@@ -16,7 +16,7 @@ import pytest
 keras = pytest.importorskip("keras")
 
 import mgpu_launch as mgpu  # noqa: E402
-from mgpu_launch import engines  # noqa: E402
+from mgpu_launch import backends  # noqa: E402
 from mgpu_launch.training import prefetch  # noqa: E402
 
 BACKEND = keras.backend.backend()
@@ -172,7 +172,7 @@ def _fit(depth, data, monkeypatch, eager, callbacks=()):
     """(batches the steps saw, weights, the threads that ran the device copy) of one fit."""
     monkeypatch.setenv("MGPU_PREFETCH", str(depth))
     threads = set()
-    engine_class = type(engines.get_engine_or_default())
+    engine_class = type(backends.get_engine_or_default())
     keras_transfer = engine_class.prefetch_transfer
 
     def recording_transfer(self):
@@ -234,7 +234,7 @@ def test_the_next_epoch_is_copied_before_it_begins(monkeypatch, data):
         pytest.skip("torch: each epoch's DataLoader draws from torch's global generator as it "
                     "starts, so mgpu begins it when Keras would (no run-ahead)")
     copies = []
-    engine_class = type(engines.get_engine_or_default())
+    engine_class = type(backends.get_engine_or_default())
     keras_transfer = engine_class.prefetch_transfer
 
     def counting_transfer(self):

@@ -6,12 +6,12 @@ keras = pytest.importorskip("keras")
 pytestmark = pytest.mark.backend
 
 import mgpu_launch as mgpu  # noqa: E402
-from mgpu_launch import engines  # noqa: E402
+from mgpu_launch import backends  # noqa: E402
 
 
 def test_unknown_backend_lists_the_supported_ones():
     with pytest.raises(ValueError, match=r"no engine for the Keras backend 'mxnet'; supported: jax, tensorflow"):
-        engines.get_engine("mxnet")
+        backends.get_engine("mxnet")
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -5,8 +5,7 @@ all-reduce into the backward pass."""
 import os
 
 if os.environ.get("TFX_BARRIER") == "1":
-    from mgpu_launch.engines import tensorflow as _engine
-    from mgpu_launch.engines import tensorflow_collectives as _collectives
+    from mgpu_launch.backends.tensorflow import collectives as _collectives, engine as _engine
 
     _original = _engine.TensorFlowEngine._sum_flat
 

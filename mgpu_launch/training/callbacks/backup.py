@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import keras
 
-from mgpu_launch import engines, keras_internals, runtime
+from mgpu_launch import backends, keras_internals, runtime
 from mgpu_launch.runtime import agreement, folders
 from mgpu_launch.training import epoch_resume, patches, resize
 from mgpu_launch.training.callbacks.io import _is_chief, read_attributes, save_atomically
@@ -216,7 +216,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"afresh). mgpu never writes a backup that fails this check: look for what else "
                 f"writes there")})
         if runtime.is_multi_process() and restored is not None:
-            engines.get_engine().broadcast_variables(model_state_variables(self.model), 0)
+            backends.get_engine().broadcast_variables(model_state_variables(self.model), 0)
         return restored
 
     def _check_folder(self) -> None:

@@ -3,7 +3,7 @@
 import keras
 import numpy as np
 
-from mgpu_launch import engines, runtime
+from mgpu_launch import backends, runtime
 from mgpu_launch.runtime import collectives
 
 
@@ -36,7 +36,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         if runtime.is_multi_process():
-            engines.get_engine().broadcast_variables(model_state_variables(self.model),
+            backends.get_engine().broadcast_variables(model_state_variables(self.model),
                                                      self.root_rank)
 
 

@@ -48,7 +48,7 @@ Keras attribute                            backend   why
                                                      fused kernel, not Keras's float32
                                                      arithmetic); any model, unless
                                                      ``MGPU_TORCH_KERNELS=0``
-                                                     (``mgpu_launch.engines.torch_kernels``)
+                                                     (``mgpu_launch.backends.torch.kernels``)
 ``torch.nn.conv``                          torch     ``channels_last``: the input as a
                                                      channels-first view, not two copies; the
                                                      same conditions
@@ -89,9 +89,9 @@ import inspect
 import sys
 from typing import Callable, Optional, Tuple
 
-from mgpu_launch.engines import torch_kernels
+from mgpu_launch.backends.torch import kernels as torch_kernels
 from mgpu_launch.training.patches import fit as _training, objects as _layers
-from mgpu_launcher import settings
+from mgpu_launch.config import settings
 from mgpu_launch.training.patches.fit import uses_distributed_optimizer  # noqa: F401 (public here)
 # the error of every Keras internal, the patched ones and those read elsewhere (public here)
 from mgpu_launch.keras_internals import KerasInternalsError, SUPPORTED
@@ -212,7 +212,7 @@ BY_BACKEND = {
 #: applied once a torch train step is wrapped for CUDA-graph capture: otherwise every step of
 #: every torch job would pay their extra Python frames (convert_to_tensor runs many times a step)
 FOR_CUDA_GRAPHS = ("torch_sgd_update", "torch_scalars")
-#: torch's own kernels for Keras's torch lowering (engines/torch_kernels.py); unless
+#: torch's own kernels for Keras's torch lowering (backends/torch/kernels.py); unless
 #: MGPU_TORCH_KERNELS=0, installed with :data:`BY_BACKEND`'s (after the synchronized
 #: BatchNormalization patches, whose ``_moments`` the replacement call checks for)
 TORCH_KERNELS = ("torch_batch_norm", "torch_conv")

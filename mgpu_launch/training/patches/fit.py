@@ -13,7 +13,7 @@ import inspect
 import weakref
 from typing import Callable, Optional, Tuple
 
-from mgpu_launch import engines, keras_internals, runtime
+from mgpu_launch import backends, keras_internals, runtime
 from mgpu_launch.training import efficiency_report, epoch_resume, fit_guard, prefetch, stall_probes
 
 _distributed_class: Optional[type] = None
@@ -94,7 +94,7 @@ def epoch_iterator(original):
         feed = self.__dict__.get("_mgpu_feed")
         if feed is not None and feed.runs_ahead:
             return feed.next_pass()  # its thread makes the pass's batches (maybe already has)
-        engine = engines.get_engine_or_default()
+        engine = backends.get_engine_or_default()
         depth = prefetch.prefetch_depth(engine.computes_on_accelerator())
         batches = engine.prefetch_source(self, original) if depth else None
         if batches is None:
@@ -128,7 +128,7 @@ def _feed(epoch_iterator, original, engine, depth: int, epochs: Optional[int]):
 
 def jax_train_function(original):
     def make_train_function(self, force=False):
-        engine = engines.get_engine()
+        engine = backends.get_engine()
         if not (uses_distributed_optimizer(self) and engine.owns_train_step()):
             return original(self, force)
         if self.train_function is not None and not force:
@@ -141,7 +141,7 @@ def jax_state_sync(original):
     def jax_state_sync(self):
         if getattr(self, "_jax_state", None) and not self._jax_state_synced:
             # Keras keeps these as TrackedLists, which jax.tree treats as leaves.
-            localize = engines.get_engine().localize
+            localize = backends.get_engine().localize
             self._jax_state = {key: [localize(v) for v in values]
                                for key, values in self._jax_state.items()}
         original(self)
@@ -151,7 +151,7 @@ def jax_state_sync(original):
 def owns_torch_process_group() -> bool:
     """Whether mgpu.init() started this process's torch.distributed (TorchEngine.setup refuses
     one started before it): then Keras's own collectives (DDP, metric sums) are not ours to run."""
-    return runtime.is_multi_process() and engines.get_engine().reduces_in_step()
+    return runtime.is_multi_process() and backends.get_engine().reduces_in_step()
 
 
 def torch_ddp(original):
@@ -182,7 +182,7 @@ def tf_auto_jit(original):
     # cannot compile (the host ring) would then fail at its first trace.
     def _resolve_auto_jit_compile(self):
         if (uses_distributed_optimizer(self) and runtime.is_multi_process()
-                and not engines.graph_collectives("jit_compile='auto'").compiles_collectives()):
+                and not backends.graph_collectives("jit_compile='auto'").compiles_collectives()):
             return False
         return original(self)
     return _resolve_auto_jit_compile
@@ -196,7 +196,7 @@ def torch_train_function(original, on_capture: Callable[[], None]):
             return self.train_function
         original(self, force)
         if uses_distributed_optimizer(self):
-            wrapped = engines.get_engine().wrap_train_function(self, self.train_function)
+            wrapped = backends.get_engine().wrap_train_function(self, self.train_function)
             if wrapped is not self.train_function:  # capture asked for
                 on_capture()
             self.train_function = wrapped
@@ -238,7 +238,7 @@ def torch_scalars(original):
     # cannot contain. While the engine warms up or captures a step, fill kernels make the same
     # small constant on the device instead (same dtype rule as Keras's); at any other time,
     # and for anything larger, Keras's own conversion runs.
-    from mgpu_launch.engines import torch_graph
+    from mgpu_launch.backends.torch import graph as torch_graph
 
     def convert_to_tensor(x, dtype=None, sparse=None, ragged=None):
         if torch_graph.scalars_on_device() and not (sparse or ragged):

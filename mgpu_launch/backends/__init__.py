@@ -12,15 +12,15 @@ import importlib
 from typing import Any, Dict, List, Optional, Sequence
 
 from mgpu_launch import runtime
-from mgpu_launch.engines import api
-from mgpu_launch.engines.reduction import GradientReduction
-from mgpu_launcher import settings
+from mgpu_launch.backends import api
+from mgpu_launch.backends.reduction import GradientReduction
+from mgpu_launch.config import settings
 
 #: backend name -> "module:Class"
 ENGINES: Dict[str, str] = {
-    "tensorflow": "mgpu_launch.engines.tensorflow:TensorFlowEngine",
-    "jax": "mgpu_launch.engines.jax:JaxEngine",
-    "torch": "mgpu_launch.engines.torch:TorchEngine",
+    "tensorflow": "mgpu_launch.backends.tensorflow.engine:TensorFlowEngine",
+    "jax": "mgpu_launch.backends.jax.engine:JaxEngine",
+    "torch": "mgpu_launch.backends.torch.engine:TorchEngine",
 }
 
 
@@ -99,7 +99,7 @@ class Engine(api.Lifecycle, api.Feeding, api.TrainStep, api.GradientReducer,
             average: divide the sum by the number of ranks.
             prescale: multiply each tensor by this before the sum (Horovod's predivide).
             postscale: multiply each result by this after the sum (and the average).
-            compression: a ``mgpu_launch.engines.compression`` codec for the wire, or None.
+            compression: a ``mgpu_launch.backends.compression`` codec for the wire, or None.
             group: None (every rank) or a process set's ``runtime.process_sets.Group``
                 (only where :meth:`supports_process_sets`): its members reduce among
                 themselves, an average divides by its size.
@@ -320,7 +320,7 @@ def get_engine(backend: Optional[str] = None) -> Engine:
 
     Raises:
         UnknownBackend: the backend has no engine; the message lists the supported ones.
-        mgpu_launcher.settings.SettingError: an ``MGPU_*`` variable the engine reads is bad.
+        mgpu_launch.config.settings.SettingError: an ``MGPU_*`` variable the engine reads is bad.
     """
     global _engine
     if backend is None:

@@ -1,7 +1,7 @@
 """TensorFlow collectives beyond the gradient sum: allgather, broadcast, min / max / product,
 and the allgather of sparse gradients (``tf.IndexedSlices``).
 
-Used through :class:`mgpu_launch.engines.tensorflow.TensorFlowEngine`; every function takes the
+Used through :class:`mgpu_launch.backends.tensorflow.engine.TensorFlowEngine`; every function takes the
 engine (set up: group, ordering token, instance keys) as its first argument, works eagerly and
 inside a ``tf.function``, and issues its collectives in program order on every rank (the
 engine's ordering token), so ranks must call them in the same order, as every collective.

@@ -19,7 +19,7 @@ Here the same layers run on torch's own kernels:
   *view*: in memory it is already what cuDNN wants, so neither copy is made.
 
 Both give Keras's results up to float rounding (different summation order; tested against
-Keras's own lowering in tests/engines/test_torch_kernels.py) and fall back to Keras's code for
+Keras's own lowering in tests/backends/test_torch_kernels.py) and fall back to Keras's code for
 everything they do not cover: masks, renorm, ``synchronized=True`` on several processes (mgpu's
 cross-rank moments; on one process it is plain BatchNormalization, and takes this path too),
 subclasses that override ``_moments``, float64, non-dense layouts. Installed by

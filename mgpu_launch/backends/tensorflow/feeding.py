@@ -17,7 +17,7 @@ Two things decide whether TensorFlow's call of the compiled step returns before 
   widened, alternated; ``benchmarks/tf_gpu/results_2026-11-26-h200x2-fourth``); on 1 GPU no
   effect was resolved from the run-to-run spread. Keras's losses, metrics and ``Embedding``
   accept the wider labels and indices, and a Functional model casts an input
-  it declared ``int32`` back inside the compiled step (``tests/engines/
+  it declared ``int32`` back inside the compiled step (``tests/backends/
   test_tensorflow_feeding.py``). A subclassed model or a custom ``train_step`` sees ``int64``:
   code there that combines an input with an explicit ``int32`` tensor fails with TensorFlow's
   "expected to be a int64 tensor" and needs ``MGPU_TF_WIDEN_INT32=0``.
@@ -25,7 +25,7 @@ Two things decide whether TensorFlow's call of the compiled step returns before 
 from typing import Any, Callable, Optional
 
 from mgpu_launch import keras_internals
-from mgpu_launcher import settings
+from mgpu_launch.config import settings
 
 
 def dataset_source(epoch_iterator) -> Optional[Any]:

@@ -32,11 +32,11 @@ import os
 import sys
 from typing import Any, List, Optional, Sequence
 
-from mgpu_launch.engines import Engine, reduction
+from mgpu_launch.backends import Engine, reduction
 from mgpu_launch.runtime import process_sets
 from mgpu_launch.runtime.rendezvous import (host_and_port, interface_of, job_host_address,
                                             listen, rendezvous)
-from mgpu_launcher import settings
+from mgpu_launch.config import settings
 
 
 def _bind_gloo(host: str) -> None:
@@ -153,16 +153,16 @@ class TorchEngine(Engine):
     # -- the train step -----------------------------------------------------------------------------
     def wrap_train_function(self, model, function):
         """With ``MGPU_TORCH_CUDA_GRAPH=1`` (or ``DistributedOptimizer(cuda_graph=True)``):
-        the step captured in a CUDA graph and replayed (mgpu_launch.engines.torch_graph)."""
+        the step captured in a CUDA graph and replayed (mgpu_launch.backends.torch.graph)."""
         from mgpu_launch import runtime
-        from mgpu_launch.engines import torch_graph
+        from mgpu_launch.backends.torch import graph as torch_graph
         if not torch_graph.requested(model.optimizer):
             return function
         return torch_graph.GraphedTrainStep(model, function, is_chief=runtime.state.rank == 0)
 
     def step_advice(self, model) -> str:
         """On a GPU, an eager step: capture it (Keras's eager torch step is host-bound)."""
-        from mgpu_launch.engines import torch_graph
+        from mgpu_launch.backends.torch import graph as torch_graph
         if torch_graph.requested(model.optimizer) or torch_graph.static_reason(model):
             return ""  # captured already, or it cannot be (no GPU, a LossScaleOptimizer, ...)
         return ("on torch it runs eagerly, bound by the Python that launches its kernels: "
@@ -177,7 +177,7 @@ class TorchEngine(Engine):
             self._watched = None
         if self.initialized:
             import torch.distributed as dist
-            graphs = sys.modules.get("mgpu_launch.engines.torch_graph")
+            graphs = sys.modules.get("mgpu_launch.backends.torch.graph")
             if graphs is not None:
                 graphs.release()  # else destroy_process_group can hang (see release())
             if dist.is_initialized():
@@ -276,7 +276,7 @@ def _specs(tensors) -> List[reduction.TensorSpec]:
 
 class Reduction:
     """How one flat buffer is reduced: scale, compress, sum across ranks, undo (the factors
-    and the buckets come from mgpu_launch.engines.reduction)."""
+    and the buckets come from mgpu_launch.backends.reduction)."""
 
     def __init__(self, size, average, prescale, postscale, compression, group=None):
         self.prescale, self.scale = reduction.scales(average, size, prescale, postscale)

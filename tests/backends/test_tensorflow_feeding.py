@@ -20,8 +20,9 @@ tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
 import mgpu_launch as mgpu  # noqa: E402
-from mgpu_launch.engines import get_engine, tensorflow_feeding  # noqa: E402
-from mgpu_launch.engines.tensorflow import TensorFlowEngine  # noqa: E402
+from mgpu_launch.backends import get_engine# noqa: E402
+from mgpu_launch.backends.tensorflow import feeding as tensorflow_feeding
+from mgpu_launch.backends.tensorflow.engine import TensorFlowEngine  # noqa: E402
 
 
 def _batch():

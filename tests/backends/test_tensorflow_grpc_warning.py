@@ -3,7 +3,7 @@ interface (issue 51, item 6; docs/security.md, "TensorFlow's gRPC server")."""
 
 import types
 
-from mgpu_launch.engines.tensorflow_server import grpc_exposure_warning
+from mgpu_launch.backends.tensorflow.server import grpc_exposure_warning
 
 
 def _state(rank, size, local_size):

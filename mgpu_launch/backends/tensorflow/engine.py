@@ -48,10 +48,10 @@ from typing import Any, List, Sequence
 
 import numpy as np
 
-from mgpu_launch.engines import (Engine, api, reduction, tensorflow_collectives,
-                                  tensorflow_feeding, tensorflow_server)
+from mgpu_launch.backends import Engine, api, reduction
+from mgpu_launch.backends.tensorflow import collectives as tensorflow_collectives, feeding as tensorflow_feeding, server as tensorflow_server
 from mgpu_launch.runtime.rendezvous import reserved_port
-from mgpu_launcher import settings
+from mgpu_launch.config import settings
 
 _JOB = "worker"
 # Keys derived from a collective's signature live in [1, _FIXED_KEYS]; the counter for buffers
@@ -158,12 +158,12 @@ class TensorFlowEngine(Engine, api.GraphCollectives):
 
     def prefetch_source(self, epoch_iterator, keras_get_iterator):
         """The tf.data batches, iterated in the prefetch thread (see
-        :mod:`~mgpu_launch.engines.tensorflow_feeding`)."""
+        :mod:`~mgpu_launch.backends.tensorflow.feeding`)."""
         return tensorflow_feeding.dataset_source(epoch_iterator)
 
     def prefetch_transfer(self):
         """Each batch copied to this rank's GPU, ``int32`` tensors made ``int64`` there
-        (``MGPU_TF_WIDEN_INT32``; see :mod:`~mgpu_launch.engines.tensorflow_feeding`)."""
+        (``MGPU_TF_WIDEN_INT32``; see :mod:`~mgpu_launch.backends.tensorflow.feeding`)."""
         return tensorflow_feeding.device_transfer()
 
     def compiles_collectives(self) -> bool:

@@ -1,4 +1,4 @@
-"""torch's own kernels for Keras's BatchNormalization and channels_last conv (engines/torch_kernels.py).
+"""torch's own kernels for Keras's BatchNormalization and channels_last conv (backends/torch/kernels.py).
 
 Each replacement must compute what Keras's torch lowering computes: a train step of a small
 convolutional network with BatchNormalization (channels_last images and a (batch, features)
@@ -103,7 +103,7 @@ def test_layers_it_does_not_cover_keep_keras_code(monkeypatch):
     import torch
     from keras.src.layers.normalization.batch_normalization import BatchNormalization
 
-    from mgpu_launch.engines.torch_kernels import _plain_batch_norm
+    from mgpu_launch.backends.torch.kernels import _plain_batch_norm
 
     moments = BatchNormalization._moments
     x = torch.ones((4, 3))

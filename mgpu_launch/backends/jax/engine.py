@@ -31,9 +31,9 @@ from typing import Any, List, Sequence
 
 import numpy as np
 
-from mgpu_launch.engines import Engine, reduction
+from mgpu_launch.backends import Engine, reduction
 from mgpu_launch.runtime.rendezvous import bind_address, job_host_address, rendezvous
-from mgpu_launcher import settings
+from mgpu_launch.config import settings
 
 AXIS = "mgpu"
 
@@ -78,7 +78,7 @@ class JaxEngine(Engine):
         import jax
         from jax._src import xla_bridge
 
-        from mgpu_launcher import devices
+        from mgpu_launch.config import devices
 
         if xla_bridge.backends_are_initialized():
             raise RuntimeError(
@@ -203,7 +203,7 @@ class JaxEngine(Engine):
     def _fused_psum(self, tensors):
         """psum of flat buffers of about ``fusion_bytes`` each (Horovod's tensor fusion).
 
-        The buckets are mgpu_launch.engines.reduction's plan of the wire tensors (already
+        The buckets are mgpu_launch.backends.reduction's plan of the wire tensors (already
         compressed): filled from the last tensor to the first (the order backprop produces
         gradients), one dtype at a time; each bucket is one collective.
         """

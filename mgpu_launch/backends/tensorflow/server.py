@@ -1,13 +1,13 @@
 """The gRPC server every rank of a TensorFlow job starts for TensorFlow's collective runtime:
 the address the other ranks reach it at, and what it exposes (a start-up warning on multi-host
 jobs; docs/security.md, "TensorFlow's gRPC server"). The server itself is started by
-:meth:`mgpu_launch.engines.tensorflow.TensorFlowEngine.setup`.
+:meth:`mgpu_launch.backends.tensorflow.engine.TensorFlowEngine.setup`.
 """
 
 from typing import Optional
 
 from mgpu_launch.runtime.rendezvous import job_host_address
-from mgpu_launcher import settings
+from mgpu_launch.config import settings
 
 
 def grpc_exposure_warning(state, port: int) -> Optional[str]:

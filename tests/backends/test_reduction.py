@@ -1,4 +1,4 @@
-"""The reduction plan the three engines share (mgpu_launch.engines.reduction), on plain numbers.
+"""The reduction plan the three engines share (mgpu_launch.backends.reduction), on plain numbers.
 
 No framework: these run without TensorFlow, JAX or torch installed, and one test proves the
 module loads in an interpreter that sees no third-party package at all.
@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from mgpu_launch.engines import reduction
-from mgpu_launch.engines.reduction import Bucket, Scales, TensorSpec, plan, scale_once, scales
+from mgpu_launch.backends import reduction
+from mgpu_launch.backends.reduction import Bucket, Scales, TensorSpec, plan, scale_once, scales
 
 MODULE = os.path.abspath(reduction.__file__)
 F32, F16, BF16 = "float32", "float16", "bfloat16"
@@ -46,7 +46,7 @@ def test_the_module_needs_no_third_party_package():
 
 
 def test_importing_it_through_the_package_loads_no_framework():
-    code = ("import sys\nfrom mgpu_launch.engines import reduction\n"
+    code = ("import sys\nfrom mgpu_launch.backends import reduction\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('keras', 'tensorflow', 'jax', 'torch')))\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -160,7 +160,7 @@ def test_torch_dtype_names_order_like_the_plain_names():
 def test_the_plan_is_the_same_in_every_process():
     # Ranks are separate interpreters with their own string hash seeds: the plan must not
     # depend on hash order (a set or dict of dtypes iterated without sorting would).
-    code = ("import json, sys\nfrom mgpu_launch.engines.reduction import plan\n"
+    code = ("import json, sys\nfrom mgpu_launch.backends.reduction import plan\n"
             "specs = json.loads(sys.argv[1])\n"
             "print(json.dumps([list(b) for b in plan(specs, 64, backward=True)]))\n")
     rng = random.Random(7)

@@ -34,8 +34,8 @@ import warnings
 import weakref
 from typing import Callable, Optional
 
-from mgpu_launch.engines import torch_sync_check
-from mgpu_launcher import settings
+from mgpu_launch.backends.torch import sync_check as torch_sync_check
+from mgpu_launch.config import settings
 
 #: the environment variable that turns capture on (``1``); DistributedOptimizer(cuda_graph=)
 ENV = "MGPU_TORCH_CUDA_GRAPH"
@@ -266,7 +266,7 @@ class GraphedTrainStep:
         self.fallback = reason
         self.graphs.clear()
         # A capture that broke off mid-backward left gradient buckets half counted.
-        from mgpu_launch.engines import get_engine_or_default
+        from mgpu_launch.backends import get_engine_or_default
         watched = getattr(get_engine_or_default(), "_watched", None)
         if watched is not None:
             watched._reset()

@@ -1,8 +1,8 @@
-"""The declarations of every ``MGPU_*`` environment variable (read through mgpu_launcher.settings).
+"""The declarations of every ``MGPU_*`` environment variable (read through mgpu_launch.config.settings).
 
 To add a variable: declare it in :data:`SETTINGS` (name, type, default, reader, one line of
 help), read it with ``settings.<type>(name)``, and regenerate docs/settings.md
-(``python -m mgpu_launcher.settings --markdown > docs/settings.md``).
+(``python -m mgpu_launch.config.settings --markdown > docs/settings.md``).
 """
 
 import dataclasses
@@ -11,7 +11,9 @@ import math
 import re
 from typing import Any, Dict, Optional, Tuple
 
-from mgpu_launcher.merge import DEFAULT_WINDOW
+#: seconds mgpu-train waits for the same stderr line from other ranks (mgpu_launcher.merge)
+MERGE_WINDOW = 3.0
+
 
 #: who reads a variable
 LAUNCHER = "mgpu-train"
@@ -29,13 +31,13 @@ class SettingError(ValueError):
     """An ``MGPU_*`` variable has a value that does not parse; the message names the variable,
     the value received, what is expected and an example."""
 
-    __module__ = "mgpu_launcher.settings"  # where users import it from (tracebacks say so)
+    __module__ = "mgpu_launch.config.settings"  # where users import it from (tracebacks say so)
 
 
 class SettingWarning(UserWarning):
     """An ``MGPU_*`` variable that no part of mgpu-launch reads (a typo?)."""
 
-    __module__ = "mgpu_launcher.settings"
+    __module__ = "mgpu_launch.config.settings"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,7 +182,7 @@ SETTINGS: Dict[str, Setting] = _declare(
     _("MGPU_MAX_RESTARTS", "integer", 0, LAUNCHER,
       "restarts after a failure, as `--max-restarts` (the flag wins)", low=0,
       expected="a whole number of restarts >= 0", example="3", shown_default="0 (elastic: 10)"),
-    _("MGPU_MERGE_SECONDS", "seconds", DEFAULT_WINDOW, LAUNCHER,
+    _("MGPU_MERGE_SECONDS", "seconds", MERGE_WINDOW, LAUNCHER,
       "how long a stderr line waits for the other ranks' copies, to be shown once (0: never "
       "merge)", low=0, expected="a number of seconds >= 0 (0 turns merging off)", example="3"),
     _("MGPU_STARTUP_NOISE", "flag", False, LAUNCHER,
@@ -270,7 +272,7 @@ SETTINGS: Dict[str, Setting] = _declare(
       "torch: capture the train step in a CUDA graph (DistributedOptimizer(cuda_graph=) wins)"),
     _("MGPU_TORCH_KERNELS", "flag", True, RANKS,
       "torch: BatchNormalization and channels_last convolutions on torch's own kernels "
-      "(0: Keras's torch lowering; mgpu_launch/engines/torch_kernels.py)"),
+      "(0: Keras's torch lowering; mgpu_launch/backends/torch/kernels.py)"),
     _("MGPU_TORCH_CUDA_GRAPH_WARMUP", "integer", 3, RANKS,
       "torch: eager steps per batch shape before it is captured", low=1,
       expected="an integer >= 1 (eager steps per batch shape before capture)", example="3"),

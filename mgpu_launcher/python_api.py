@@ -6,7 +6,7 @@ do). The function, its arguments and later its results travel as pickles through
 1. the caller pickles ``(fn, args, kwargs)`` into a work folder of its own (see below);
 2. it starts the job through the same launcher as ``mgpu-train -np N`` (standalone mpirun,
    rank-tagged output, a failing rank ends the job), each rank running
-   ``python -m mgpu_launch.runtime.launch WORK_DIR``;
+   ``python -m mgpu_launcher.python_api WORK_DIR``;
 3. each rank unpickles and calls ``fn(*args, **kwargs)``, then writes its result, or, when fn
    raises, its traceback, before the failure ends the job;
 4. the caller reads them back: rank 0's result (or every rank's), or raises
@@ -38,7 +38,8 @@ import traceback
 from typing import Any, Callable, Dict, Optional, Sequence
 
 from mgpu_launch.runtime import auth, folders
-from mgpu_launcher import api, mpirun, settings
+from mgpu_launcher import api, mpirun
+from mgpu_launch.config import settings
 
 PAYLOAD = "payload.pkl"
 #: the ranks' environment variable with the call's key (hex); never on a command line
@@ -144,7 +145,7 @@ def run(fn: Callable, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]]
     Raises:
         TypeError: fn, args or kwargs cannot be pickled (the message says how to fix it).
         ValueError: np is not a whole number >= 1, or an ``MGPU_*`` variable (here or in `env`)
-            has a bad value (mgpu_launcher.settings.SettingError, before anything starts).
+            has a bad value (mgpu_launch.config.settings.SettingError, before anything starts).
         PermissionError: `work_dir` is not a folder of yours that only you may write in, or
             another user could redirect its path (a folder or link of theirs on the way).
         RemoteError: a rank failed; the message has its traceback.
@@ -261,7 +262,7 @@ def _write(folder: str, name: str, data: bytes) -> None:
 
 
 def run_rank(folder: str) -> None:
-    """One rank of an ``mgpu_launch.run`` job (``python -m mgpu_launch.runtime.launch WORK_DIR``).
+    """One rank of an ``mgpu_launch.run`` job (``python -m mgpu_launcher.python_api WORK_DIR``).
 
     Raises:
         RuntimeError: the payload does not carry the call's HMAC (``MGPU_RUN_KEY``), or that
@@ -275,7 +276,7 @@ def run_rank(folder: str) -> None:
     except ValueError:
         key = b""
     if not key:
-        raise RuntimeError(f"mgpu_launch.runtime.launch: {KEY_VARIABLE} is not set (or not hex): "
+        raise RuntimeError(f"mgpu_launcher.python_api: {KEY_VARIABLE} is not set (or not hex): "
                            f"this module runs only as a rank of mgpu_launch.run, which sets it")
     fn, args, kwargs = pickle.loads(_read_signed(folder, key, PAYLOAD, "payload"))
     try:

@@ -53,7 +53,7 @@ class GradientReduction:
         average: divide the sum by the number of ranks (``op=Average``), or keep the sum.
         prescale: multiply each gradient by this before the sum (Horovod's predivide).
         postscale: multiply each result by this after the sum (and the average).
-        compression: a ``mgpu_launch.engines.compression`` codec for the wire, or None.
+        compression: a ``mgpu_launch.backends.compression`` codec for the wire, or None.
         sparse_as_dense: TensorFlow's sparse gradients summed as dense tensors (True) or
             gathered (False).
 

@@ -26,7 +26,7 @@ def train(monkeypatch, env=None, **optimizer_options):
     import keras
 
     import mgpu_launch as mgpu
-    from mgpu_launch.engines.torch_graph import ENV, CudaGraphFallbackWarning
+    from mgpu_launch.backends.torch.graph import ENV, CudaGraphFallbackWarning
 
     if env is None:
         monkeypatch.delenv(ENV, raising=False)
@@ -73,7 +73,7 @@ def test_a_loss_scale_optimizer_is_named_as_the_reason(monkeypatch):
 
 
 def test_a_bad_warmup_count_is_a_clear_error(monkeypatch):
-    from mgpu_launch.engines import torch_graph
+    from mgpu_launch.backends.torch import graph as torch_graph
     monkeypatch.setenv(torch_graph.WARMUP_ENV, "0")
     with pytest.raises(ValueError, match="expected an integer >= 1"):
         torch_graph.warmup_steps()
@@ -88,7 +88,7 @@ def test_a_device_constant_has_keras_dtype_and_value(value, dtype):
     # (keras.ops.convert_to_tensor: the torch backend's, wherever a Keras version keeps it).
     import keras
 
-    from mgpu_launch.engines.torch_graph import device_constant
+    from mgpu_launch.backends.torch.graph import device_constant
     ours, keras_own = device_constant(value, dtype), keras.ops.convert_to_tensor(value, dtype)
     assert ours.dtype == keras_own.dtype and ours.device == keras_own.device
     assert ours.shape == keras_own.shape
@@ -98,7 +98,7 @@ def test_a_device_constant_has_keras_dtype_and_value(value, dtype):
 def test_long_arrays_and_tensors_are_left_to_keras():
     import torch
 
-    from mgpu_launch.engines.torch_graph import MAX_CONSTANT_ELEMENTS, device_constant
+    from mgpu_launch.backends.torch.graph import MAX_CONSTANT_ELEMENTS, device_constant
     assert device_constant(np.zeros(MAX_CONSTANT_ELEMENTS + 1)) is None
     assert device_constant(torch.zeros(2)) is None and device_constant("text") is None
 
@@ -109,7 +109,7 @@ def test_the_eager_steps_before_capture_are_counted(monkeypatch):
     import keras
 
     import mgpu_launch as mgpu
-    from mgpu_launch.engines.torch_graph import _EAGER_FIRST, _steps_taken
+    from mgpu_launch.backends.torch.graph import _EAGER_FIRST, _steps_taken
 
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     model.compile(mgpu.DistributedOptimizer(keras.optimizers.SGD(0.1)), "mse")
@@ -127,7 +127,7 @@ def test_the_efficiency_report_suggests_capture_for_an_eager_step_on_a_gpu(monke
     import torch
 
     import mgpu_launch as mgpu
-    from mgpu_launch.engines.torch import TorchEngine
+    from mgpu_launch.backends.torch.engine import TorchEngine
     from mgpu_launch.training.efficiency import advice
 
     def model(**options):

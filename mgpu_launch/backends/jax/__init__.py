@@ -1,0 +1,1 @@
+"""The jax backend: everything mgpu needs of it, in one folder."""

@@ -1,0 +1,1 @@
+"""The tensorflow backend: everything mgpu needs of it, in one folder."""

@@ -1,0 +1,1 @@
+"""The torch backend: everything mgpu needs of it, in one folder."""
