@@ -511,7 +511,6 @@ NAMES_BACKENDS = {
     "mgpu_launch.bench": "mgpu-bench: its native baselines are per framework",
     "mgpu_launch.training.patches": "which Keras classes to patch differs per backend",
     "mgpu_launch.horovod.tensorflow_api": "Horovod's TensorFlow namespace needs that backend",
-    "mgpu_launch.config.devices": "JAX's pinning rule (to move into backends/jax/)",
 }
 
 
@@ -537,7 +536,8 @@ def backend_offences(sources: Dict[str, str]) -> List[str]:
 
 
 def test_only_the_engines_and_the_patches_name_a_backend():
-    offences = backend_offences(_sources("mgpu_launch"))
+    # the launcher too: what it must know of a backend is the backend's facts (the registry)
+    offences = backend_offences(dict(_sources("mgpu_launch"), **_sources("mgpu_launcher")))
     assert not offences, ("a backend named outside the engines (ask the engine instead, or "
                           "key the patch registry by engine name):\n" + "\n".join(offences))
 
@@ -545,9 +545,11 @@ def test_only_the_engines_and_the_patches_name_a_backend():
 def test_the_backend_check_fails_on_a_planted_name():
     source = 'import keras\nif keras.backend.backend() == "torch":\n    TABLE = {"jax": 1}\n'
     assert backend_offences({"mgpu_launch.training.planted": source,
-                             "mgpu_launch.backends.planted": source}) == [
+                             "mgpu_launch.backends.planted": source,
+                             "mgpu_launcher.planted": 'if backend != "jax":\n    pass\n'}) == [
         "mgpu_launch.training.planted line 2: 'torch'",
-        "mgpu_launch.training.planted line 3: 'jax'"]
+        "mgpu_launch.training.planted line 3: 'jax'",
+        "mgpu_launcher.planted line 1: 'jax'"]
 
 
 # -- the engine interface: every engine method called outside engines/ is declared -------------

@@ -16,16 +16,33 @@ from mgpu_launch.backends import api
 from mgpu_launch.backends.reduction import GradientReduction
 from mgpu_launch.config import settings
 
-#: backend name -> "module:Class"
-ENGINES: Dict[str, str] = {
-    "tensorflow": "mgpu_launch.backends.tensorflow.engine:TensorFlowEngine",
-    "jax": "mgpu_launch.backends.jax.engine:JaxEngine",
-    "torch": "mgpu_launch.backends.torch.engine:TorchEngine",
-}
+from mgpu_launch.backends import jax as _jax, tensorflow as _tensorflow, torch as _torch
+from mgpu_launch.backends.facts import BackendFacts
+
+#: backend name -> its facts (engine, pinning rule, packages); one line per backend, in the
+#: order mgpu-train lists them
+BACKENDS: Dict[str, BackendFacts] = {facts.name: facts for facts in (
+    _tensorflow.FACTS,
+    _jax.FACTS,
+    _torch.FACTS,
+)}
 
 
 class UnknownBackend(ValueError):
     """The Keras backend has no engine (the message lists the supported ones)."""
+
+
+def facts(backend: str) -> BackendFacts:
+    """What mgpu knows of `backend` without importing it.
+
+    Raises:
+        UnknownBackend: the backend has no engine; the message lists the supported ones.
+    """
+    if backend not in BACKENDS:
+        raise UnknownBackend(
+            f"mgpu_launch has no engine for the Keras backend {backend!r}; supported: "
+            f"{', '.join(sorted(BACKENDS))}. Set KERAS_BACKEND to one of them.")
+    return BACKENDS[backend]
 
 
 class Engine(api.Lifecycle, api.Feeding, api.TrainStep, api.GradientReducer,
@@ -328,11 +345,7 @@ def get_engine(backend: Optional[str] = None) -> Engine:
         backend = keras.backend.backend()
     if _engine is not None and _engine.name == backend:
         return _engine
-    if backend not in ENGINES:
-        raise UnknownBackend(
-            f"mgpu_launch has no engine for the Keras backend {backend!r}; supported: "
-            f"{', '.join(sorted(ENGINES))}. Set KERAS_BACKEND to one of them.")
-    module_name, class_name = ENGINES[backend].split(":")
+    module_name, class_name = facts(backend).engine.split(":")
     _engine = getattr(importlib.import_module(module_name), class_name)()
     return _engine
 
