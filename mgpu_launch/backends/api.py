@@ -1,27 +1,33 @@
 """What an engine is: one small interface per concern the rest of mgpu_launch asks of it.
 
 An engine is the backend's side of data-parallel training (one per Keras backend; the
-dispatcher in ``engines/__init__.py`` picks it from ``keras.backend.backend()``). What the
+dispatcher in ``backends/__init__.py`` picks it from ``keras.backend.backend()``). What the
 layers above call on it falls into the concerns below, each an abstract class of a few
-methods. ``engines.Engine`` implements all but the last with defaults (a backend overrides
-what it does differently); the TensorFlow engine adds :class:`GraphCollectives`.
+methods with no default: ``backends.Engine`` joins all but the last, and an engine missing a
+method cannot be made (``TypeError`` at construction). What engines share is a named mixin of
+``backends/shared.py`` that each engine lists in its own class statement;
+the TensorFlow engine adds :class:`GraphCollectives`. The shared pieces, by interface:
+Feeding ``KerasFeeding``; TrainStep ``KerasTrainStep``, ``HostBroadcast``; GradientReducer
+``DenseReduction``; ProcessSetSupport ``GroupCheck``, ``HasProcessSets``, ``EveryRankOnly``;
+InStepCollectives ``GatherBySum``; ReductionTiming ``DefaultReductionTiming``; HorovodQueries
+``NoBuildInfo``; Lifecycle ``NoCommunicator`` (the fallback ``backends.KerasOnly`` only).
 
-interface           asked by                                   implemented by (overrides)
+interface           asked by                                   implemented by
 Lifecycle           mgpu.init() / shutdown()                   Engine; TF, JAX, torch
 Feeding             the epoch-iterator patch, the prefetcher   Engine; TF, JAX, torch
 TrainStep           the fit patches, the first-step sync       Engine; TF, JAX, torch
 GradientReducer     DistributedOptimizer, tape, Horovod ops    Engine; TF, JAX, torch
-ProcessSetSupport   the optimizer, Horovod's process sets      Engine; TF, torch, JAX (why not)
+ProcessSetSupport   the optimizer, Horovod's process sets      Engine; TF, torch, JAX
 InStepCollectives   SyncBatchNormalization                     Engine; TF, JAX, torch
 ReductionTiming     the efficiency report                      Engine; TF, JAX, torch
 HorovodQueries      hvd.nccl_built(), cuda_built(), ...        Engine; TF
 GraphCollectives    mgpu_launch.tensorflow's ops, TF's jit     TensorFlowEngine only
 
 Every method is called on every rank in the same order (most are collectives or prepare
-one). ``tests/test_architecture.py`` fails when code outside ``engines/`` calls an engine
+one). ``tests/test_architecture.py`` fails when code outside ``backends/`` calls an engine
 method that no interface here declares: duck-typed reach into one backend's engine is what
 these classes replace. A caller that needs :class:`GraphCollectives` gets the engine through
-``engines.graph_collectives()``, which says so when the backend has none.
+``backends.graph_collectives()``, which says so when the backend has none.
 """
 
 import abc

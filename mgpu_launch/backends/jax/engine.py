@@ -31,7 +31,7 @@ from typing import Any, List, Sequence
 
 import numpy as np
 
-from mgpu_launch.backends import Engine, reduction
+from mgpu_launch.backends import Engine, reduction, shared
 from mgpu_launch.runtime.rendezvous import bind_address, job_host_address, rendezvous
 from mgpu_launch.config import settings
 
@@ -60,7 +60,9 @@ def _create_cpu_backend(host: str) -> None:
         module.make_gloo_tcp_collectives = original
 
 
-class JaxEngine(Engine):
+class JaxEngine(shared.KerasFeeding, shared.KerasTrainStep, shared.HostBroadcast,
+                shared.DenseReduction, shared.EveryRankOnly, shared.GroupCheck,
+                shared.DefaultReductionTiming, shared.NoBuildInfo, Engine):
     name = "jax"
 
     def __init__(self):

@@ -48,7 +48,7 @@ from typing import Any, List, Sequence
 
 import numpy as np
 
-from mgpu_launch.backends import Engine, api, reduction
+from mgpu_launch.backends import Engine, api, reduction, shared
 from mgpu_launch.backends.tensorflow import collectives as tensorflow_collectives, feeding as tensorflow_feeding, server as tensorflow_server
 from mgpu_launch.runtime.rendezvous import reserved_port
 from mgpu_launch.config import settings
@@ -83,7 +83,9 @@ def _shaped_like(gradient, variable):
     return tf.reshape(gradient, tuple(shape))
 
 
-class TensorFlowEngine(Engine, api.GraphCollectives):
+class TensorFlowEngine(shared.KerasFeeding, shared.KerasTrainStep, shared.DenseReduction,
+                       shared.HasProcessSets, shared.GroupCheck, shared.GatherBySum,
+                       shared.DefaultReductionTiming, Engine, api.GraphCollectives):
     name = "tensorflow"
 
     def __init__(self):
@@ -253,8 +255,8 @@ class TensorFlowEngine(Engine, api.GraphCollectives):
             merge_op=merge_op, final_op="Id", communication_hint=self.implementation,
             timeout_seconds=self.timeout)
 
-    def supports_process_sets(self) -> bool:
-        return True
+    def shutdown(self) -> None:
+        """Nothing to close: the engine keeps no communicator object of its own."""
 
     def allreduce(self, tensors: Sequence[Any], *, average: bool, prescale: float = 1.0,
                   postscale: float = 1.0, compression=None, group=None) -> List[Any]:

@@ -32,7 +32,7 @@ import os
 import sys
 from typing import Any, List, Optional, Sequence
 
-from mgpu_launch.backends import Engine, reduction
+from mgpu_launch.backends import Engine, reduction, shared
 from mgpu_launch.runtime import process_sets
 from mgpu_launch.runtime.rendezvous import (host_and_port, interface_of, job_host_address,
                                             listen, rendezvous)
@@ -66,7 +66,9 @@ def _store(dist, state, address: str, timeout: datetime.timedelta):
                          master_listen_fd=listener.detach())
 
 
-class TorchEngine(Engine):
+class TorchEngine(shared.KerasTrainStep, shared.HostBroadcast, shared.DenseReduction,
+                  shared.HasProcessSets, shared.GroupCheck, shared.GatherBySum,
+                  shared.DefaultReductionTiming, shared.NoBuildInfo, Engine):
     name = "torch"
 
     def __init__(self):
@@ -122,9 +124,6 @@ class TorchEngine(Engine):
         made = self._groups.pop(group.process_set_id, None)
         if made is not None and dist.is_initialized():
             dist.destroy_process_group(made)
-
-    def supports_process_sets(self) -> bool:
-        return True
 
     def _torch_group(self, group, what: str):
         """The torch.distributed group of process set `group` (None: the default group)."""
