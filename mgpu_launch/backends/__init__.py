@@ -46,7 +46,7 @@ def facts(backend: str) -> BackendFacts:
 
 class Engine(api.Lifecycle, api.Feeding, api.TrainStep, api.GradientReducer,
              api.ProcessSetSupport, api.InStepCollectives, api.ReductionTiming,
-             api.HorovodQueries):
+             api.HorovodQueries, api.KerasPatches):
     """What every backend provides: every interface of ``backends/api.py`` but
     ``GraphCollectives``, with no default, so that a subclass missing a method cannot be made
     (``TypeError`` at construction). Methods are called on every rank, in the same order.
@@ -58,7 +58,7 @@ class Engine(api.Lifecycle, api.Feeding, api.TrainStep, api.GradientReducer,
 class KerasOnly(shared.NoCommunicator, shared.KerasFeeding, shared.KerasTrainStep,
                 shared.HostBroadcast, shared.DenseReduction, shared.EveryRankOnly,
                 shared.GroupCheck, shared.GatherBySum, shared.DefaultReductionTiming,
-                shared.NoBuildInfo, Engine):
+                shared.CannotSkipAllreduce, shared.NoBuildInfo, Engine):
     """What a Keras backend without an engine gets (:func:`get_engine_or_default`): Keras's
     own feeding and step, and no collective in the step."""
 
@@ -68,6 +68,11 @@ class KerasOnly(shared.NoCommunicator, shared.KerasFeeding, shared.KerasTrainSte
 
     def sum_in_step(self, tensors: Sequence[Any]) -> List[Any]:
         raise NotImplementedError(_no_engine("sum_in_step"))
+
+    def keras_patches(self, hooks):
+        """None of its own: the patches every backend shares only."""
+        from mgpu_launch.keras_patching import PatchSet
+        return PatchSet()
 
 
 def _no_engine(what: str) -> str:

@@ -23,9 +23,13 @@ class BackendFacts:
             ``CUDA_VISIBLE_DEVICES`` to it alone (False: every GPU stays visible and the engine
             picks ``MGPU_LOCAL_DEVICE`` itself; JAX's topology exchange hangs otherwise).
         packages: the distributions ``mgpu-train --env`` reports for it, in order.
+        keras_synchronizes_batch_norm: Keras's own ``BatchNormalization(synchronized=True)``
+            has a path here (TensorFlow: a ``tf.distribute`` strategy's, or local statistics),
+            which mgpu's patch leaves to Keras where it has no statistics of its own.
     """
 
     name: str
     engine: str
     pins_by_visible_devices: bool
     packages: Tuple[str, ...]
+    keras_synchronizes_batch_norm: bool = False

@@ -16,7 +16,7 @@ from typing import Any, List, Sequence
 from mgpu_launch import runtime
 from mgpu_launch.backends.reduction import GradientReduction
 
-__all__ = ["KerasFeeding", "KerasTrainStep", "HostBroadcast", "DenseReduction", "GroupCheck", "EveryRankOnly", "HasProcessSets", "GatherBySum", "DefaultReductionTiming", "NoBuildInfo", "NoCommunicator"]
+__all__ = ["KerasFeeding", "KerasTrainStep", "HostBroadcast", "DenseReduction", "GroupCheck", "EveryRankOnly", "HasProcessSets", "GatherBySum", "DefaultReductionTiming", "CannotSkipAllreduce", "NoBuildInfo", "NoCommunicator"]
 
 
 class KerasFeeding:
@@ -58,7 +58,7 @@ class KerasTrainStep:
         """Keras's one-step function for `model`, built by the engine (see owns_train_step)."""
         raise NotImplementedError
 
-    def wrap_train_function(self, model, function):
+    def wrap_train_function(self, model, function, options):
         """Keras's train function for `model` as the engine runs it (torch: CUDA graphs).
 
         Called when Keras makes the function, for models with a DistributedOptimizer; the
@@ -88,7 +88,7 @@ class KerasTrainStep:
         """Whether the variables' values can be read now (False: only inside the step)."""
         return True
 
-    def step_advice(self, model) -> str:
+    def step_advice(self, model, options) -> str:
         """A setting of this engine that makes `model`'s train step itself faster here, in a
         few words for the efficiency report's advice when the step dominates ("" when none)."""
         return ""
@@ -284,6 +284,14 @@ class DefaultReductionTiming:
         """Whether the step's gradient reduction can run while the backward pass still
         computes (then part of its time is hidden, and the time it takes alone is an upper
         bound of what the step loses to it)."""
+        return False
+
+
+class CannotSkipAllreduce:
+    """The gradient allreduce cannot be left out for profiling (torch: it overlaps the
+    backward pass, which a step without it would not measure)."""
+
+    def set_skip_allreduce(self, skip: bool) -> bool:
         return False
 
 

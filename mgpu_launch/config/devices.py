@@ -63,8 +63,8 @@ def pin_gpu(local_rank: int, local_size: int, environ: MutableMapping[str, str],
     """Give this worker GPU number `local_rank` of the visible ones; return its id (None: no GPU).
 
     Sets MGPU_GPU (the id) and MGPU_LOCAL_DEVICE (the index among the visible GPUs) always,
-    and CUDA_VISIBLE_DEVICES where `by_visible_devices` (the backend's facts say which:
-    ``mgpu_launch.backends.BackendFacts.pins_by_visible_devices``, False for JAX).
+    and CUDA_VISIBLE_DEVICES where `by_visible_devices` (the backend's facts say which: their
+    ``pins_by_visible_devices``, ``mgpu_launch.backends.facts.BackendFacts``; False for JAX).
 
     Raises:
         PinningError: more workers on this host than visible GPUs.

@@ -75,6 +75,11 @@ class JaxEngine(shared.KerasFeeding, shared.KerasTrainStep, shared.HostBroadcast
         #: profiling only: gradients are NOT averaged (each rank keeps size x its own)
         self.skip_allreduce = settings.flag("MGPU_PROFILE_SKIP_ALLREDUCE")
 
+    def set_skip_allreduce(self, skip: bool) -> bool:
+        """Set :attr:`skip_allreduce` (the next compiled step follows it)."""
+        self.skip_allreduce = bool(skip)
+        return True
+
     # -- set-up -------------------------------------------------------------------------------
     def setup(self, state) -> None:
         import jax
@@ -268,6 +273,11 @@ class JaxEngine(shared.KerasFeeding, shared.KerasTrainStep, shared.HostBroadcast
             variable.assign(value)
 
     # -- the distributed train function ------------------------------------------------------------
+    def keras_patches(self, hooks):
+        """The jax patch set (``backends/jax/patches.py``)."""
+        from mgpu_launch.backends.jax import patches
+        return patches.patch_set(hooks)
+
     def owns_train_step(self) -> bool:
         return self.mesh is not None  # set up for a multi-process job
 

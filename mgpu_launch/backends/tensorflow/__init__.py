@@ -5,4 +5,5 @@ from mgpu_launch.backends.facts import BackendFacts
 
 FACTS = BackendFacts(name="tensorflow",
                      engine="mgpu_launch.backends.tensorflow.engine:TensorFlowEngine",
-                     pins_by_visible_devices=True, packages=("tensorflow", "tensorflow-cpu"))
+                     pins_by_visible_devices=True, packages=("tensorflow", "tensorflow-cpu"),
+                     keras_synchronizes_batch_norm=True)
