@@ -586,20 +586,35 @@ def _gives_engine(node: ast.AST) -> bool:
     return name in ENGINE_GETTERS
 
 
+#: parameter names that hold an engine passed in (``def _feed(..., engine, ...)``)
+ENGINE_PARAMETERS = ("engine",)
+#: attributes of ``self`` that hold an engine (``self._engine = backends.get_engine()``)
+ENGINE_ATTRIBUTES = ("_engine", "engine")
+
+
+def _holds_engine(node: ast.AST, bound: Set[str]) -> bool:
+    """A getter's result, a name bound to one or a parameter named for one, or ``self._engine``."""
+    return (_gives_engine(node) or (isinstance(node, ast.Name) and node.id in bound)
+            or (isinstance(node, ast.Attribute) and node.attr in ENGINE_ATTRIBUTES
+                and _own_object(node.value)))
+
+
 def engine_calls(source: str) -> List[tuple]:
     """(line, attribute) of every attribute read on an engine: on a getter's result directly
-    (``engines.get_engine().watch``) or on a name bound to one (``engine = get_engine()``)."""
+    (``backends.get_engine().watch``), on a name bound to one (``engine = get_engine()``) or a
+    parameter that holds one (``def f(engine)``), or on ``self._engine``."""
     tree = ast.parse(source)
     bound = {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
              and _gives_engine(node.value) for target in node.targets
              if isinstance(target, ast.Name)}
+    bound |= {node.arg for node in ast.walk(tree)
+              if isinstance(node, ast.arg) and node.arg in ENGINE_PARAMETERS}
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and (
-                _gives_engine(node.value)
-                or (isinstance(node.value, ast.Name) and node.value.id in bound)):
+        if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)
+                and _holds_engine(node.value, bound)):
             found.append((node.lineno, node.attr))
-    return found
+    return sorted(found)
 
 
 def undeclared_engine_calls(sources: Dict[str, str]) -> List[str]:
@@ -611,7 +626,7 @@ def undeclared_engine_calls(sources: Dict[str, str]) -> List[str]:
 
 def test_every_engine_method_called_is_declared_by_an_interface():
     assert {"reduce_gradients", "compiles_collectives", "name"} <= declared_engine_methods()
-    offences = undeclared_engine_calls(_sources("mgpu_launch"))
+    offences = undeclared_engine_calls(dict(_sources("mgpu_launch"), **_sources("mgpu_launcher")))
     assert not offences, ("an engine method called outside backends/ that no interface in "
                           "backends/api.py declares (declare it there, on the concern it "
                           "belongs to):\n" + "\n".join(offences))
@@ -626,6 +641,22 @@ def test_the_interface_check_fails_on_a_planted_call():
     assert undeclared_engine_calls({"mgpu_launch.training.planted": source}) == [
         "mgpu_launch.training.planted line 4: engine.collective_reduce",
         "mgpu_launch.training.planted line 5: engine.ring_allgather"]
+
+
+def test_the_interface_check_sees_engines_passed_in_held_and_in_the_launcher():
+    source = ('def feed(epoch_iterator, engine):\n'
+              '    return engine.prefetch_source(epoch_iterator, None), engine._watched\n'
+              'class Report:\n'
+              '    def __init__(self, backends):\n'
+              '        self._engine = backends.get_engine()\n'
+              '    def run(self):\n'
+              '        return self._engine.time_gradient_reduction([], None), self._engine.fusion\n')
+    assert undeclared_engine_calls({"mgpu_launch.training.planted": source,
+                                    "mgpu_launcher.planted": source}) == [
+        "mgpu_launch.training.planted line 2: engine._watched",
+        "mgpu_launch.training.planted line 7: engine.fusion",
+        "mgpu_launcher.planted line 2: engine._watched",
+        "mgpu_launcher.planted line 7: engine.fusion"]
 
 
 def _interfaces_in_api() -> List[str]:
