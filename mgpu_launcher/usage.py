@@ -7,12 +7,13 @@ import os
 import re
 from typing import Optional, Sequence
 
+from mgpu_launch import backends
 from mgpu_launch.config import devices, settings
 
 PROG = "mgpu-train"
-#: the Keras backends mgpu_launch has an engine for (mgpu_launch.backends.ENGINES; this package
-#: imports nothing of the library, tests/launcher/test_cli.py checks that the two lists agree)
-KERAS_BACKENDS = ("tensorflow", "jax", "torch")
+#: the Keras backends mgpu_launch has an engine for (the backends' registry, read without
+#: importing any framework)
+KERAS_BACKENDS = tuple(backends.BACKENDS)
 
 _HOST_ENTRY = re.compile(r"^[A-Za-z0-9_.\-]+(:\d+)?$")
 

@@ -11,7 +11,7 @@ the reason and what to use instead; every Horovod argument that cannot be honour
 """
 
 import os
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 from mgpu_launch import backends, runtime
 from mgpu_launch.training import bootstrap
@@ -66,7 +66,7 @@ def check_op(namespace: str, op, average=None):
     return collectives.ReduceOp(op) if isinstance(op, str) else op
 
 
-def init_runtime(namespace: str, comm, process_sets) -> None:
+def init_runtime(namespace: str, comm, process_sets, keras_2: Sequence[str] = ()) -> None:
     """``hvd.init(comm, process_sets)``: ``mgpu.init(process_sets)``, with Horovod's switch.
 
     ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` in the environment allows ``add_process_set`` later, as
@@ -83,7 +83,7 @@ def init_runtime(namespace: str, comm, process_sets) -> None:
     if horovod in ("1", "true", "yes", "on") and not settings.is_set("MGPU_DYNAMIC_PROCESS_SETS"):
         # Horovod's variable, read once here: the runtime reads only MGPU_* variables
         os.environ["MGPU_DYNAMIC_PROCESS_SETS"] = "1"
-    bootstrap.init(process_sets=process_sets)
+    bootstrap.init(process_sets=process_sets, keras_2=keras_2)
 
 
 def process_set_group(namespace: str, process_set, what: str, engine_needed: bool = False,

@@ -228,7 +228,7 @@ def shard(data: Any, batch_size: Optional[int] = None, shuffle: bool = False, se
         >>> dataset = tf.data.Dataset.from_tensor_slices((features, labels))
         >>> causal_lm.fit(mgpu.data.shard(dataset, batch_size=8, shuffle=True), epochs=3)
     """
-    patches.apply("fit")  # fit keeps the order of what shard returns
+    patches.install()  # fit keeps the order of what shard returns (mgpu.init() installed it)
     if isinstance(data, keras.utils.PyDataset):
         return ShardedPyDataset(data)
     if type(data).__module__.startswith("tensorflow") and hasattr(data, "shard"):

@@ -23,7 +23,7 @@ import numpy as np
 from mgpu_launch import backends, runtime
 from mgpu_launch.runtime import collectives, timeline
 from mgpu_launch.training.efficiency import TIMED_STEPS, analyse, render
-from mgpu_launch.training.optimizer_options import DistributedOptions
+from mgpu_launch.training import optimizer_options
 from mgpu_launch.config import settings
 
 #: timed reductions at the end of a fit (after one warm-up); the report takes their median
@@ -69,16 +69,6 @@ def wanted() -> bool:
     return runtime.is_initialized() and settings.flag("MGPU_EFFICIENCY_REPORT")
 
 
-def _distributed_optimizer(model):
-    """The model's DistributedOptimizer, also under a LossScaleOptimizer: the one that has
-    its options (found by them: importing its class would close an import circle, through
-    the fit patch that adds this report)."""
-    for optimizer in (model.optimizer, getattr(model.optimizer, "inner_optimizer", None)):
-        if isinstance(getattr(optimizer, "options", None), DistributedOptions):
-            return optimizer
-    return None
-
-
 def _nbytes(variable) -> int:
     dtype = keras.backend.standardize_dtype(variable.dtype)
     itemsize = 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
@@ -111,7 +101,7 @@ def time_communication(model, own: List[tuple]) -> Optional[Dict[str, Any]]:
     fewest = min(collectives.allgather_object(steps))  # the same decision on every rank
     if fewest - 2 < TIMED_STEPS:  # the first step and the closing one are not analysed
         return {"note": f"a fit of fewer than {TIMED_STEPS + 2} steps is not timed"}
-    optimizer = _distributed_optimizer(model)
+    optimizer = optimizer_options.distributed_optimizer(model)
     if optimizer is None:
         return {"note": "the model's optimizer is no DistributedOptimizer"}
     if optimizer.process_set is not None:
@@ -172,6 +162,7 @@ class EfficiencyReport(keras.callbacks.Callback):
         if self.figures is None:
             return
         # the engine's word on a step that dominates
-        self.figures["step_hint"] = backends.get_engine().step_advice(self.model)
+        self.figures["step_hint"] = backends.get_engine().step_advice(
+            self.model, optimizer_options.step_options(self.model))
         if self.params.get("verbose", 0):
             print(render(self.figures), file=sys.stdout, flush=True)

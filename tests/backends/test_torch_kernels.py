@@ -49,10 +49,11 @@ def _step_results(keras, policy, patched: bool, monkeypatch):
     from keras.src.backend.torch import nn as torch_nn
     from keras.src.layers.normalization.batch_normalization import BatchNormalization
 
-    from mgpu_launch.training import patches
+    from mgpu_launch.backends.torch import patches
+    from mgpu_launch.keras_patching import apply
 
-    for name in patches.TORCH_KERNELS:
-        patches.apply(name)
+    for replacement in patches.KERNELS:
+        apply(replacement)
     with monkeypatch.context() as local:
         if not patched:  # Keras's own lowering, as without mgpu
             local.setattr(BatchNormalization, "call", BatchNormalization.call.__wrapped__)

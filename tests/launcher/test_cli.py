@@ -238,9 +238,9 @@ def test_an_unknown_keras_backend_lists_the_ones_that_work(env, argv, monkeypatc
             "expected one of tensorflow, jax, torch") in err
 
 
-def test_the_launchers_backend_list_is_the_engines():
-    from mgpu_launch.backends import ENGINES
-    assert sorted(cli.KERAS_BACKENDS) == sorted(ENGINES)
+def test_the_launchers_backend_list_is_the_backends_registry():
+    from mgpu_launch.backends import BACKENDS
+    assert cli.KERAS_BACKENDS == tuple(BACKENDS) == ("tensorflow", "jax", "torch")
 
 
 def test_the_timeline_reaches_the_ranks_through_the_jobs_environment(script, tmp_path,

@@ -31,7 +31,7 @@ from typing import Any, List, Sequence
 
 import numpy as np
 
-from mgpu_launch.backends import Engine, reduction
+from mgpu_launch.backends import Engine, reduction, shared
 from mgpu_launch.runtime.rendezvous import bind_address, job_host_address, rendezvous
 from mgpu_launch.config import settings
 
@@ -60,7 +60,9 @@ def _create_cpu_backend(host: str) -> None:
         module.make_gloo_tcp_collectives = original
 
 
-class JaxEngine(Engine):
+class JaxEngine(shared.KerasFeeding, shared.KerasTrainStep, shared.HostBroadcast,
+                shared.DenseReduction, shared.EveryRankOnly, shared.GroupCheck,
+                shared.DefaultReductionTiming, shared.NoBuildInfo, Engine):
     name = "jax"
 
     def __init__(self):
@@ -72,6 +74,11 @@ class JaxEngine(Engine):
         self.fusion_bytes = int(settings.number("MGPU_FUSION_MB", fallback=64.0) * 2 ** 20)
         #: profiling only: gradients are NOT averaged (each rank keeps size x its own)
         self.skip_allreduce = settings.flag("MGPU_PROFILE_SKIP_ALLREDUCE")
+
+    def set_skip_allreduce(self, skip: bool) -> bool:
+        """Set :attr:`skip_allreduce` (the next compiled step follows it)."""
+        self.skip_allreduce = bool(skip)
+        return True
 
     # -- set-up -------------------------------------------------------------------------------
     def setup(self, state) -> None:
@@ -266,6 +273,11 @@ class JaxEngine(Engine):
             variable.assign(value)
 
     # -- the distributed train function ------------------------------------------------------------
+    def keras_patches(self, hooks):
+        """The jax patch set (``backends/jax/patches.py``)."""
+        from mgpu_launch.backends.jax import patches
+        return patches.patch_set(hooks)
+
     def owns_train_step(self) -> bool:
         return self.mesh is not None  # set up for a multi-process job
 

@@ -41,19 +41,12 @@ whatever the number of ranks): values arrive exactly, except that a root's -0.0 
 """
 
 import functools
-import zlib
 from typing import Any, List, NamedTuple, Sequence
 
 import numpy as np
 
 from mgpu_launch import runtime
 
-#: instance keys of padded gathers: [_BUCKET_REGION, 2**31), blocks of _BLOCK keys, one block
-#: per gather signature and one key per bucket in it (the engine's derived keys live in
-#: [1, 2**30], its counter counts up from 2**30: it would need 2**29 executions to get here)
-_BUCKET_REGION = 3 * 2 ** 29
-_BLOCK = 1024
-_BLOCKS = (2 ** 31 - _BUCKET_REGION) // _BLOCK
 #: dtypes CollectiveGatherV2 takes as they are (TensorFlow 2.21, CPU)
 _GATHERABLE = ("float32", "float16", "float64", "int32", "int64")
 _REDUCIBLE = _GATHERABLE + ("bfloat16",)
@@ -127,21 +120,8 @@ def _check_dynamic_ok(what: str) -> None:
             f"use allreduce / broadcast, whose shapes are static.")
 
 
-def _position(engine, base) -> int:
-    """How many collectives of signature `base` the graph being traced issued before this one
-    (0 eagerly): part of a collective's key, so every rank derives the same keys."""
-    tf = _tf()
-    from tensorflow.python.framework import ops
-
-    if tf.executing_eagerly():
-        return 0
-    seen = engine._positions.setdefault(ops.get_default_graph(), {})
-    seen[base] = seen.get(base, -1) + 1
-    return seen[base]
-
-
 def _bucket(rows):
-    """(padded row count >= rows, bucket number < _BLOCK) for an int64 scalar `rows`."""
+    """(padded row count >= rows, bucket number < keys.BLOCK) for an int64 scalar `rows`."""
     tf = _tf()
     powers = tf.constant([1 << k for k in range(63)], tf.int64)
     bit_length = tf.reduce_sum(tf.cast(rows >= powers, tf.int64))
@@ -151,23 +131,11 @@ def _bucket(rows):
     return units * unit, shift * 17 + units
 
 
-def _bucket_key_base(engine, signature: str) -> int:
-    blocks = engine.__dict__.setdefault("_bucket_blocks", {})
-    block = zlib.crc32(signature.encode()) % _BLOCKS
-    known = blocks.setdefault(block, signature)
-    if known != signature:
-        raise RuntimeError(
-            f"mgpu: two different TensorFlow gathers ({known} and {signature}) map to key block "
-            f"{block}. This is a hash collision, not a mistake of yours; report it, and "
-            f"meanwhile change one tensor's trailing shape or dtype.")
-    return _BUCKET_REGION + block * _BLOCK
-
-
 def _gather_equal(engine, tensor, key, group: Members):
     tf = _tf()
     return tf.raw_ops.CollectiveGatherV2(
         input=tensor, group_size=group.size, group_key=group.key, instance_key=key,
-        ordering_token=[engine._ordering_token.handle],
+        ordering_token=[engine.keys.ordering_token.handle],
         communication_hint=engine.implementation, timeout_seconds=engine.timeout)
 
 
@@ -189,14 +157,14 @@ def allgather_rows(engine, tensors: Sequence[Any], group=None) -> List[Any]:
         return [_mpi_allgather(group.comm, t) for t in tensors]
     _check_dynamic_ok("allgather")
     rows = tf.shape(tensors[0], out_type=tf.int64)[:1]
-    counts = _gather_equal(engine, rows, engine._instance_key_for(rows, "rows", group), group)
+    counts = _gather_equal(engine, rows, engine.keys.for_collective(rows, "rows", group), group)
     padded, bucket = _bucket(tf.reduce_max(counts))
     results = []
     for tensor in tensors:
         wire, back = _to_wire(tensor, _GATHERABLE)
         rest = wire.shape[1:]
         signature = f"{group.tag}gather:{wire.dtype.name}:{rest.as_list()}"
-        base = _bucket_key_base(engine, f"{signature}:{_position(engine, signature)}")
+        base = engine.keys.bucket_base(f"{signature}:{engine.keys.position(signature)}")
         key = tf.cast(base + bucket, tf.int32)
         pad = tf.concat([[padded - rows[0]], tf.zeros([rest.rank], tf.int64)], axis=0)
         wire = tf.pad(wire, tf.stack([tf.zeros_like(pad), pad], axis=1))
@@ -217,7 +185,7 @@ def _elementwise(engine, tensor, group: Members, on_host, in_graph):
         return tf.identity(tensor)
     if engine.transport == "mpi":
         return on_host(tensor)
-    engine._check_not_xla()
+    engine.check_not_xla()
     wire, back = _to_wire(tensor, _REDUCIBLE)  # value-preserving casts: the op is unchanged
     return back(in_graph(wire))
 
@@ -298,7 +266,7 @@ def gather_static(engine, tensors: Sequence[Any], group=None) -> List[Any]:
             wire, back = _to_wire(tensor, _REDUCIBLE)
         rest = wire.shape[1:]
         signature = f"{group.tag}static-gather:{wire.dtype.name}:{rest.as_list()}"
-        base = _bucket_key_base(engine, f"{signature}:{_position(engine, signature)}")
+        base = engine.keys.bucket_base(f"{signature}:{engine.keys.position(signature)}")
         # this rank's block, padded with zero rows, at its offset among size blocks of zeros
         before = tf.cast(rank, tf.int64) * padded
         after = tf.cast(size - 1 - rank, tf.int64) * padded + (padded - rows)
@@ -307,7 +275,7 @@ def gather_static(engine, tensors: Sequence[Any], group=None) -> List[Any]:
         summed = tf.raw_ops.CollectiveReduceV2(
             input=placed, group_size=size, group_key=group.key,
             instance_key=tf.cast(base + bucket, tf.int32),
-            ordering_token=[engine._ordering_token.handle], merge_op="Add", final_op="Id",
+            ordering_token=[engine.keys.ordering_token.handle], merge_op="Add", final_op="Id",
             communication_hint=engine.implementation, timeout_seconds=engine.timeout)
         results.append(back(tf.ensure_shape(summed, [None] + rest.as_list())))
     return results

@@ -32,7 +32,7 @@ import os
 import sys
 from typing import Any, List, Optional, Sequence
 
-from mgpu_launch.backends import Engine, reduction
+from mgpu_launch.backends import Engine, reduction, shared
 from mgpu_launch.runtime import process_sets
 from mgpu_launch.runtime.rendezvous import (host_and_port, interface_of, job_host_address,
                                             listen, rendezvous)
@@ -66,7 +66,10 @@ def _store(dist, state, address: str, timeout: datetime.timedelta):
                          master_listen_fd=listener.detach())
 
 
-class TorchEngine(Engine):
+class TorchEngine(shared.KerasTrainStep, shared.HostBroadcast, shared.DenseReduction,
+                  shared.HasProcessSets, shared.GroupCheck, shared.GatherBySum,
+                  shared.DefaultReductionTiming, shared.CannotSkipAllreduce, shared.NoBuildInfo,
+                  Engine):
     name = "torch"
 
     def __init__(self):
@@ -123,9 +126,6 @@ class TorchEngine(Engine):
         if made is not None and dist.is_initialized():
             dist.destroy_process_group(made)
 
-    def supports_process_sets(self) -> bool:
-        return True
-
     def _torch_group(self, group, what: str):
         """The torch.distributed group of process set `group` (None: the default group)."""
         if group is None or group.process_set_id == 0:
@@ -151,19 +151,25 @@ class TorchEngine(Engine):
         return False
 
     # -- the train step -----------------------------------------------------------------------------
-    def wrap_train_function(self, model, function):
+    def wrap_train_function(self, model, function, options: reduction.StepOptions):
         """With ``MGPU_TORCH_CUDA_GRAPH=1`` (or ``DistributedOptimizer(cuda_graph=True)``):
         the step captured in a CUDA graph and replayed (mgpu_launch.backends.torch.graph)."""
         from mgpu_launch import runtime
         from mgpu_launch.backends.torch import graph as torch_graph
-        if not torch_graph.requested(model.optimizer):
+        if not torch_graph.requested(options):
             return function
-        return torch_graph.GraphedTrainStep(model, function, is_chief=runtime.state.rank == 0)
+        return torch_graph.GraphedTrainStep(model, function, options,
+                                            is_chief=runtime.state.rank == 0)
 
-    def step_advice(self, model) -> str:
+    def keras_patches(self, hooks):
+        """The torch patch set (``backends/torch/patches.py``)."""
+        from mgpu_launch.backends.torch import patches
+        return patches.patch_set(hooks)
+
+    def step_advice(self, model, options: reduction.StepOptions) -> str:
         """On a GPU, an eager step: capture it (Keras's eager torch step is host-bound)."""
         from mgpu_launch.backends.torch import graph as torch_graph
-        if torch_graph.requested(model.optimizer) or torch_graph.static_reason(model):
+        if torch_graph.requested(options) or torch_graph.static_reason(model, options):
             return ""  # captured already, or it cannot be (no GPU, a LossScaleOptimizer, ...)
         return ("on torch it runs eagerly, bound by the Python that launches its kernels: "
                 "DistributedOptimizer(cuda_graph=True) captures it in a CUDA graph (ResNet-50 "

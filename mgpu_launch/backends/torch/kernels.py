@@ -22,8 +22,9 @@ Both give Keras's results up to float rounding (different summation order; teste
 Keras's own lowering in tests/backends/test_torch_kernels.py) and fall back to Keras's code for
 everything they do not cover: masks, renorm, ``synchronized=True`` on several processes (mgpu's
 cross-rank moments; on one process it is plain BatchNormalization, and takes this path too),
-subclasses that override ``_moments``, float64, non-dense layouts. Installed by
-``mgpu_launch.training.patches`` on the torch backend unless ``MGPU_TORCH_KERNELS=0``.
+subclasses that override ``_moments``, float64, non-dense layouts. Declared in the torch patch
+set (``mgpu_launch.backends.torch.patches``), installed with it by
+``mgpu_launch.training.patches`` unless ``MGPU_TORCH_KERNELS=0``.
 """
 
 from typing import Callable
