@@ -70,18 +70,18 @@ class MPITransport(Transport):
         mpi = _mpi()
         mpi_op = {"sum": mpi.SUM, "min": mpi.MIN, "max": mpi.MAX, "product": mpi.PROD}[op]
         result = np.empty_like(array)
-        self.comm.Allreduce(np.ascontiguousarray(array), result, op=mpi_op)
+        self.comm.Allreduce(np.asarray(array, order="C"), result, op=mpi_op)
         return result
 
     def allgather_array(self, array: np.ndarray, rows: Sequence[int]) -> np.ndarray:
         row_bytes = int(np.prod(array.shape[1:], dtype=np.int64)) * array.itemsize
         result = np.empty((sum(rows),) + array.shape[1:], array.dtype)
-        self.comm.Allgatherv(_bytes(np.ascontiguousarray(array)),
+        self.comm.Allgatherv(_bytes(np.asarray(array, order="C")),
                              [_bytes(result), [n * row_bytes for n in rows]])
         return result
 
     def broadcast_array(self, array: np.ndarray, root: int) -> np.ndarray:
-        result = np.ascontiguousarray(array).copy()
+        result = np.array(array, order="C")  # a copy; np.ascontiguousarray makes 0-d arrays 1-d
         self.comm.Bcast(_bytes(result), root=root)
         return result
 
