@@ -19,7 +19,7 @@ import shlex
 import sys
 from typing import List, Optional, Tuple
 
-from mgpu_launcher import elastic, hostfiles, mpirun, restarts, supervisor, worker
+from mgpu_launcher import elastic, hostfiles, hostlists, mpirun, restarts, supervisor, worker
 from mgpu_launch.config import settings
 from mgpu_launcher.usage import PROG
 
@@ -37,7 +37,7 @@ class Config:
     target: Optional[str]
     args: Tuple[str, ...]
     np: Optional[int]  # None: worker mode (run in this process)
-    hosts: Optional[str] = None
+    hosts: Optional[hostlists.HostSlots] = None  # -H, read once (hostlists.parse_hosts)
     hostfile: Optional[str] = None
     mpirun: Optional[str] = None
     mpirun_args: Tuple[str, ...] = ()

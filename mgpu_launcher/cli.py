@@ -121,8 +121,7 @@ def parse_args(argv: Sequence[str]) -> Config:
     usage.check_settings(options.forward)
     np = usage.parse_np(options.np)
     max_restarts = usage.parse_max_restarts(options.max_restarts)
-    if options.hosts:
-        usage.check_hosts(options.hosts)
+    hosts = usage.parse_hosts(options.hosts) if options.hosts else None
     standalone_only = {"--hosts": options.hosts, "--hostfile": options.hostfile,
                        "--slots-per-host": options.slots_per_host,
                        "--mpirun": options.mpirun, "--mpirun-args": options.mpirun_args,
@@ -169,7 +168,7 @@ def parse_args(argv: Sequence[str]) -> Config:
     except hostfiles.HostfileError as error:
         raise UsageError(str(error)) from None
     return Config(kind=kind, target=target, args=tuple(args), np=np,
-                  hosts=options.hosts or (placement.hosts if placement else None),
+                  hosts=hosts or (placement.hosts if placement else None),
                   hostfile=placement.hostfile if placement else None, mpirun=options.mpirun,
                   mpirun_args=tuple(shlex.split(options.mpirun_args)),
                   forward=tuple(options.forward), output_dir=options.output_dir,

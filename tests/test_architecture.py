@@ -825,3 +825,41 @@ def test_the_fourth_backend_check_fails_on_a_planted_half_backend(tmp_path):
         "backends/__init__.py: 0 registry lines for openvino",
         "pyproject.toml has no line for openvino",
         "scripts/test.sh has no line for openvino"]
+
+
+# -- the control plane: MPI behind one transport module ---------------------------------------
+#: the one module that may import mpi4py or hold a communicator (``.comm``): the MPI transport;
+#: everything else talks through mgpu_launch.runtime.transport.Transport (state.transport)
+MPI_HOME = "mgpu_launch.runtime.transport_mpi"
+
+
+def mpi_offences(sources: Dict[str, str]) -> List[str]:
+    """Imports of mpi4py and uses of a ``.comm`` attribute outside MPI_HOME."""
+    offences = []
+    for name, source in sorted(sources.items()):
+        if name == MPI_HOME:
+            continue
+        if "mpi4py" in imported_tops(source):
+            offences.append(f"{name} imports mpi4py")
+        offences += [f"{name} line {node.lineno}: .comm" for node in ast.walk(ast.parse(source))
+                     if isinstance(node, ast.Attribute) and node.attr == "comm"]
+    return offences
+
+
+def test_only_the_mpi_transport_touches_mpi():
+    sources = dict(_sources("mgpu_launch"), **_sources("mgpu_launcher"))
+    assert MPI_HOME in sources
+    offences = mpi_offences(sources)
+    assert not offences, ("MPI used outside the MPI transport (call the runtime's transport, "
+                          "mgpu_launch.runtime.state.transport, instead):\n" + "\n".join(offences))
+
+
+def test_the_mpi_check_fails_on_a_planted_use():
+    planted = ("def total(state, x):\n    from mpi4py import MPI\n"
+               "    return state.comm.allreduce(x, op=MPI.SUM)\n")
+    sources = {"mgpu_launch.runtime.planted": planted, MPI_HOME: planted,
+               "mgpu_launcher.planted": "import mpi4py.MPI\n",
+               "mgpu_launch.horovod.planted": "def init(comm=None):\n    return comm\n"}
+    assert mpi_offences(sources) == ["mgpu_launch.runtime.planted imports mpi4py",
+                                     "mgpu_launch.runtime.planted line 3: .comm",
+                                     "mgpu_launcher.planted imports mpi4py"]

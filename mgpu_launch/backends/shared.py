@@ -245,8 +245,9 @@ class DefaultReductionTiming:
             once, failure = self.gradient_reduction_runner(list(variables), options), ""
         except Exception as error:  # told to every rank below, raised on each
             once, failure = None, f"{type(error).__name__}: {error}"
-        agreement.raise_any_rank(failure, lambda rank, why: RuntimeError(
-            f"rank {rank} could not prepare the gradient reduction's timing: {why}"))
+        agreement.raise_any_rank(
+            runtime.state.transport, failure, lambda rank, why: RuntimeError(
+                f"rank {rank} could not prepare the gradient reduction's timing: {why}"))
         once()  # warm-up: the first run of a collective sets up its connections
         times = []
         for _ in range(max(1, int(repeats))):

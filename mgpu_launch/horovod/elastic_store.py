@@ -35,6 +35,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from mgpu_launch.horovod.elastic_state import is_chief, size
+from mgpu_launch import runtime
 from mgpu_launch.runtime import agreement, folders
 from mgpu_launch.training.epoch_resume import BadBackup, checked_state
 
@@ -133,7 +134,7 @@ class CommitStore:
             arrays.append(read)
             return written_by, attributes
 
-        found = agreement.decided_by_root(load_on_chief, {
+        found = agreement.decided_by_root(runtime.state.transport, load_on_chief, {
             folders.UnsafeFolder: lambda why: PermissionError(
                 f"{self.owner}: rank 0 refuses to read or write commits there: {why}"),
             BadBackup: lambda why: BadBackup(

@@ -154,16 +154,14 @@ def mpi_built() -> bool:
 
 
 def mpi_enabled() -> bool:
-    """True on a multi-process job (its host collectives run over MPI)."""
-    return runtime.is_multi_process()
+    """True on a multi-process job whose host collectives run over MPI (its transport)."""
+    return runtime.is_multi_process() and runtime.state.transport.name == "mpi"
 
 
 def mpi_threads_supported() -> bool:
-    """Whether MPI was started with MPI_THREAD_MULTIPLE (mpi4py's default)."""
-    if not runtime.is_multi_process():
-        return False
-    from mpi4py import MPI
-    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+    """Whether MPI was started with MPI_THREAD_MULTIPLE (mpi4py's default): whether two
+    threads may use the job's transport at once."""
+    return mpi_enabled() and runtime.state.transport.thread_safe()
 
 
 def gloo_built() -> bool:

@@ -1,6 +1,6 @@
 """Addresses the ranks can meet at: the rendezvous every engine's framework set-up starts from.
 
-Framework-free (sockets and the MPI communicator only), below the engines: each engine asks
+Framework-free (sockets and the runtime's transport only), below the engines: each engine asks
 for a ``host:port`` here and hands it to its framework (JAX's coordinator, torch's TCP store,
 TensorFlow's servers).
 """
@@ -11,6 +11,7 @@ import socket
 from typing import Iterator, Optional, Sequence, Tuple
 
 from mgpu_launch.config import settings
+from mgpu_launch.runtime import agreement
 
 
 @contextlib.contextmanager
@@ -89,12 +90,14 @@ def host_address(peers: Sequence[str] = ()) -> str:
 def job_host_address(state) -> str:
     """Collective: this host's address as the job's OTHER hosts dial it (see host_address).
 
-    Every rank must call it (the ranks exchange their host names over MPI), the first time;
+    Every rank must call it (the ranks exchange their host names over the transport), the
+    first time;
     the answer is kept in ``state.host_address`` for the stall inspector and the engines.
     """
     if state.host_address is None:
         own = socket.gethostname()
-        names = state.comm.allgather(own) if state.comm is not None else [own]
+        names = (state.transport.allgather_object(own) if state.transport is not None
+                 else [own])
         state.host_address = host_address(sorted(set(names) - {own}))
     return state.host_address
 
@@ -183,7 +186,8 @@ def listen(address: str, job_host: Optional[str] = None) -> socket.socket:
 def rendezvous(state, override_variable: str, timeout: float = 60.0) -> Iterator[str]:
     """A ``host:port`` on rank 0's host that every rank has proved it can connect to.
 
-    Rank 0 picks a free port (or the address in `override_variable`), MPI shares it, rank 0
+    Rank 0 picks a free port (or the address in `override_variable`), the transport shares
+    it, rank 0
     listens on it and every rank opens a TCP connection within `timeout` seconds; the results
     are shared, so an unreachable address is one clear error on every rank instead of a
     framework's hang or C++ abort. The listener is closed again for the framework to bind,
@@ -207,38 +211,43 @@ def rendezvous(state, override_variable: str, timeout: float = 60.0) -> Iterator
 
 
 def _meet(state, override_variable: str, timeout: float, held: contextlib.ExitStack) -> str:
-    comm = state.comm
-    address = None
+    transport = state.transport
     host = job_host_address(state)
-    if state.rank == 0:
-        address = settings.text(override_variable)  # an MGPU_* HOST:PORT, checked
-        if not address:
-            address = f"{host}:{held.enter_context(reserved_port())}"
-    address = comm.bcast(address, root=0)
+
+    def pick() -> str:  # rank 0: an MGPU_* HOST:PORT (checked), else a port held for the framework
+        return settings.text(override_variable) or f"{host}:{held.enter_context(reserved_port())}"
+
+    address = agreement.decided_by_root(transport, pick, {})
     bound = bind_address(address, host)  # every rank: a bad MGPU_BIND_ADDRESS fails them all
-    listener, problem = None, None
-    if state.rank == 0:
-        try:
-            listener = listen(address, host)
-        except (OSError, ValueError) as error:
-            problem = (f"rank 0 cannot listen on {bound} ({error}; MGPU_BIND_ADDRESS=0.0.0.0 "
-                       f"binds every interface)")
-    problem = comm.bcast(problem, root=0)
-    if problem is None:
-        try:
-            with socket.create_connection(host_and_port(address), timeout=timeout):
-                pass
-        except (OSError, ValueError) as error:
-            problem = f"cannot connect to it ({type(error).__name__}: {error or 'timed out'})"
-    problems = comm.allgather(problem)
-    if listener is not None:
-        listener.close()
-    failed = [(rank, text) for rank, text in enumerate(problems) if text]
-    if failed:
-        rank, text = failed[0]
-        raise RuntimeError(
+
+    def unreachable(rank: int, text: str, failed: int = 1) -> RuntimeError:
+        return RuntimeError(
             f"the rendezvous address {address} does not work: rank {rank} {text} "
-            f"({len(failed)} of {len(problems)} ranks failed, within {timeout:g} s). Every rank "
+            f"({failed} of {state.size} ranks failed, within {timeout:g} s). Every rank "
             f"must reach rank 0's host on that port: check the firewall, or set "
             f"{override_variable}=host:port to an address of rank 0's host.")
+
+    def cannot_listen(why: str) -> RuntimeError:
+        return unreachable(0, f"cannot listen on {bound} ({why}; MGPU_BIND_ADDRESS=0.0.0.0 "
+                              f"binds every interface)")
+
+    listener = None
+
+    def listen_on_rank_0() -> None:
+        nonlocal listener
+        listener = listen(address, host)
+
+    agreement.decided_by_root(transport, listen_on_rank_0,
+                              {OSError: cannot_listen, ValueError: cannot_listen})
+    problem = ""
+    try:
+        with socket.create_connection(host_and_port(address), timeout=timeout):
+            pass
+    except (OSError, ValueError) as error:
+        problem = f"cannot connect to it ({type(error).__name__}: {error or 'timed out'})"
+    failed = agreement.failures(transport, problem)
+    if listener is not None:
+        listener.close()
+    if failed:
+        raise unreachable(*failed[0], failed=len(failed))
     return address

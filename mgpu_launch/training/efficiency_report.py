@@ -95,7 +95,7 @@ def time_communication(model, own: List[tuple]) -> Optional[Dict[str, Any]]:
         broken transport, which the next collective would meet as well.
     """
     state = runtime.state
-    if state.comm is None or state.size < 2:
+    if state.transport is None or state.size < 2:
         return None
     steps = sum(1 for entry in own if entry[0] == 0 and entry[1] == "train step")
     fewest = min(collectives.allgather_object(steps))  # the same decision on every rank
@@ -154,7 +154,8 @@ class EfficiencyReport(keras.callbacks.Callback):
         state = runtime.state
         own = timeline.since(self.bookmark)
         mine = (own, time_communication(self.model, own))
-        ranks = state.comm.gather(mine, root=0) if state.comm is not None else [mine]
+        ranks = (state.transport.gather_object(mine, 0) if state.transport is not None
+                 else [mine])
         if state.rank != 0:
             return
         self.figures = analyse([slices for slices, _ in ranks], self.batch_size,

@@ -67,7 +67,7 @@ class JaxEngine(shared.KerasFeeding, shared.KerasTrainStep, shared.HostBroadcast
 
     def __init__(self):
         self.size = 1
-        self.comm = self.mesh = self.device = None
+        self.mesh = self.device = None
         self._in_step = False
         self._checked_batches = set()
         #: bytes per fused allreduce buffer; 0: one psum of the list, fused by XLA's combiner
@@ -93,7 +93,7 @@ class JaxEngine(shared.KerasFeeding, shared.KerasTrainStep, shared.HostBroadcast
                 "initialized first), but JAX's backends are already up in this process. Call "
                 "mgpu.init() at the top of the script, before building a model or creating "
                 "any array (importing keras and jax before it is fine).")
-        self.size, self.comm = state.size, state.comm
+        self.size = state.size
         timeout = int(settings.seconds("MGPU_JAX_INIT_TIMEOUT"))
         options = {}
         gloo_host = None

@@ -64,7 +64,7 @@ class Members(NamedTuple):
     Attributes:
         size: the collective group's size.
         key: its TensorFlow group key (1: every rank; ``1 + id`` for process set ``id``).
-        comm: its MPI communicator (``MGPU_TF_TRANSPORT=mpi``).
+        control_plane: its group of the runtime's transport (``MGPU_TF_TRANSPORT=mpi``).
         rank: this process's position in the group.
         tag: prefix of its instance keys' signatures ("" for every rank).
         process_set_id: 0 for every rank.
@@ -72,7 +72,7 @@ class Members(NamedTuple):
 
     size: int
     key: int
-    comm: Any
+    control_plane: Any
     rank: int
     tag: str
     process_set_id: int
@@ -86,8 +86,9 @@ def members(engine, group=None, what: str = "collective") -> Members:
     """
     rank = runtime.state.rank
     if group is None or group.process_set_id == 0:
-        return Members(engine.size, 1, engine.comm, rank, "", 0)
-    return Members(group.size, 1 + group.process_set_id, group.comm, group.index(rank, what),
+        return Members(engine.size, 1, engine.control_plane, rank, "", 0)
+    return Members(group.size, 1 + group.process_set_id, group.transport,
+                   group.index(rank, what),
                    f"set{group.process_set_id}:", group.process_set_id)
 
 
@@ -154,7 +155,7 @@ def allgather_rows(engine, tensors: Sequence[Any], group=None) -> List[Any]:
     if group.size == 1:
         return [tf.identity(t) for t in tensors]
     if engine.transport == "mpi":
-        return [_mpi_allgather(group.comm, t) for t in tensors]
+        return [_mpi_allgather(group.control_plane, t) for t in tensors]
     _check_dynamic_ok("allgather")
     rows = tf.shape(tensors[0], out_type=tf.int64)[:1]
     counts = _gather_equal(engine, rows, engine.keys.for_collective(rows, "rows", group), group)
@@ -199,7 +200,7 @@ def broadcast(engine, tensor, root_rank: int, group=None):
     def in_graph(wire):
         mine = wire if runtime.state.rank == root_rank else _tf().zeros_like(wire)
         return engine.collective_reduce(mine, kind="bcast", members=group)
-    return _elementwise(engine, tensor, group, lambda t: _mpi_broadcast(group.comm, t, root),
+    return _elementwise(engine, tensor, group, lambda t: _mpi_broadcast(group.control_plane, t, root),
                         in_graph)
 
 
@@ -216,7 +217,7 @@ def reduce(engine, tensor, op: str, group=None):
                          f"its collective reduce only for sum and product). Call it from a "
                          f"tf.function without jit_compile=True, or outside the compiled step.")
     group = members(engine, group, op)
-    return _elementwise(engine, tensor, group, lambda t: mpi_reduce(group.comm, t, op),
+    return _elementwise(engine, tensor, group, lambda t: mpi_reduce(group.control_plane, t, op),
                         lambda wire: engine.collective_reduce(wire, kind=op,
                                                               merge_op=_MERGE_OPS[op],
                                                               members=group))
@@ -314,40 +315,31 @@ def _host_call(function, tensor, dtype, shape):
     return result
 
 
-def _mpi_allgather(comm, tensor):
+def _mpi_allgather(transport, tensor):
 
     def gather(array):
         array = np.ascontiguousarray(array)
-        rows = comm.allgather(array.shape[0])
-        row_bytes = int(np.prod(array.shape[1:], dtype=np.int64)) * array.itemsize
-        out = np.empty((sum(rows),) + array.shape[1:], array.dtype)
-        counts = [count * row_bytes for count in rows]
-        comm.Allgatherv(array.view(np.uint8).reshape(-1), [out.view(np.uint8).reshape(-1), counts])
-        return out
+        return transport.allgather_array(array, transport.allgather_object(array.shape[0]))
 
     return _host_call(gather, tensor, tensor.dtype, [None] + tensor.shape[1:].as_list())
 
 
-def _mpi_broadcast(comm, tensor, root_rank):
+def _mpi_broadcast(transport, tensor, root_rank):
 
     def bcast(array):
-        out = np.ascontiguousarray(array).copy()
-        comm.Bcast(out.view(np.uint8).reshape(-1), root=root_rank)
-        return out
+        return transport.broadcast_array(np.ascontiguousarray(array), root_rank)
 
     return _host_call(bcast, tensor, tensor.dtype, tensor.shape)
 
 
-def mpi_reduce(comm, tensor, op):
-    """`tensor` reduced by MPI over `comm` (op: sum, min, max, product), out of the graph;
-    16-bit floats travel as float32."""
-    from mpi4py import MPI
-    mpi_op = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "product": MPI.PROD}[op]
+def mpi_reduce(transport, tensor, op):
+    """`tensor` reduced over `transport` (the runtime's MPI transport or a process set's
+    group of it; op: sum, min, max, product), out of the graph; 16-bit floats travel as
+    float32."""
 
     def host_reduce(array):
         wire = array if array.dtype.itemsize >= 4 else array.astype(np.float32)
-        out = np.empty_like(wire)
-        comm.Allreduce(np.ascontiguousarray(wire), out, op=mpi_op)
+        out = transport.allreduce_array(np.ascontiguousarray(wire), op)
         return out.astype(array.dtype, copy=False)
 
     return _host_call(host_reduce, tensor, tensor.dtype, tensor.shape)

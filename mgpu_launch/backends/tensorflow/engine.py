@@ -92,7 +92,7 @@ class TensorFlowEngine(shared.KerasFeeding, shared.KerasTrainStep, shared.DenseR
         #: profiling only (mgpu-bench --profile): the step without its gradient sum
         self.skip_allreduce = settings.flag("MGPU_PROFILE_SKIP_ALLREDUCE")
         self.size = 1
-        self.comm = None
+        self.control_plane = None  # the runtime's transport (MGPU_TF_TRANSPORT=mpi)
         #: the collectives' instance keys and ordering token (collectives.py uses them too)
         self.keys = CollectiveKeys()
 
@@ -102,7 +102,7 @@ class TensorFlowEngine(shared.KerasFeeding, shared.KerasTrainStep, shared.DenseR
         from tensorflow.core.protobuf import tensorflow_server_pb2
         from tensorflow.python.eager import context
 
-        self.size, self.comm = state.size, state.comm
+        self.size, self.control_plane = state.size, state.transport
         if self.transport == "mpi":
             return
         ctx = context.context()
@@ -115,7 +115,8 @@ class TensorFlowEngine(shared.KerasFeeding, shared.KerasTrainStep, shared.DenseR
         if self.implementation == "auto":
             self.implementation = "ring" if shared_gpu else "auto"
         with reserved_port() as port:  # held until TF's server listens on it
-            addresses = state.comm.allgather(f"{tensorflow_server.reachable_host(state)}:{port}")
+            addresses = state.transport.allgather_object(
+                f"{tensorflow_server.reachable_host(state)}:{port}")
             ctx.configure_collective_ops(
                 collective_leader=f"/job:{_JOB}/replica:0/task:0",
                 scoped_allocator_enabled_ops=("CollectiveReduce",),
@@ -190,7 +191,7 @@ class TensorFlowEngine(shared.KerasFeeding, shared.KerasTrainStep, shared.DenseR
         if self.skip_allreduce:  # what the sum would give if every rank held this buffer
             return flat * tf.cast(group.size, flat.dtype)
         if self.transport == "mpi":  # 16-bit wires are summed in float32 (MPI has no fp16)
-            return tensorflow_collectives.mpi_reduce(group.comm, flat, "sum")
+            return tensorflow_collectives.mpi_reduce(group.control_plane, flat, "sum")
         return self.collective_reduce(flat, members=group)
 
     def collective_reduce(self, tensor, *, kind: str = "reduce", merge_op: str = "Add",

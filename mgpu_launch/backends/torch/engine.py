@@ -118,7 +118,7 @@ class TorchEngine(shared.KerasTrainStep, shared.HostBroadcast, shared.DenseReduc
         """A process set registered (on every rank): its torch group, made by every rank."""
         import torch.distributed as dist
         made = dist.new_group(ranks=list(group.ranks))
-        self._groups[group.process_set_id] = made if group.comm is not None else None
+        self._groups[group.process_set_id] = made if group.transport is not None else None
 
     def _set_removed(self, group) -> None:
         import torch.distributed as dist
