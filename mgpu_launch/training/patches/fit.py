@@ -14,7 +14,8 @@ import weakref
 from typing import Callable, Optional, Tuple
 
 from mgpu_launch import backends, keras_internals, runtime
-from mgpu_launch.training import efficiency_report, epoch_resume, fit_guard, prefetch, stall_probes
+from mgpu_launch.training import (efficiency_report, epoch_resume, fit_guard, prefetch, sharded,
+                                  stall_probes)
 
 _distributed_class: Optional[type] = None
 # (epochs done, batches done in the next epoch) for the next training epoch to start from.
@@ -111,8 +112,11 @@ def _feed(epoch_iterator, original, engine, depth: int, epochs: Optional[int]):
     iterator (None: not, or unknown)."""
     per_epoch = epoch_iterator.num_batches
     planned = epochs * per_epoch if epochs and per_epoch else None
+    adapter = epoch_iterator.data_adapter
     run_ahead = (planned is not None and engine.runs_epochs_ahead()
-                 and keras_internals.next_epoch_is_known_early(epoch_iterator.data_adapter))
+                 and (keras_internals.next_epoch_is_known_early(adapter)
+                      # mgpu.data.shard's tf.data: its next epoch is decided inside tf.data
+                      or sharded.is_sharded_tf_dataset(keras_internals.tf_dataset_of(adapter))))
     # a weak reference: the thread must not keep the epoch iterator (and so the feed) alive
     owner = weakref.ref(epoch_iterator)
 
