@@ -69,9 +69,9 @@ if __name__ == "__main__":
     arrays = PyDatasetAdapter(mgpu.data.shard(data(BATCH * BATCHES, 256), batch_size=BATCH),
                               shuffle=False)
     for name, make in (
-            ("recipe, Keras's TFDatasetAdapter.get_jax_iterator (before)",
+            ("recipe, Keras's TFDatasetAdapter.get_jax_iterator (the JAX feed's source)",
              lambda: TFDatasetAdapter(recipe()).get_jax_iterator()),
-            ("recipe, tf.data as_numpy_iterator (the JAX engine now)",
+            ("recipe, tf.data's own as_numpy_iterator (for comparison)",
              lambda: recipe().as_numpy_iterator()),
             ("arrays, mgpu.data.shard((x, y)) through Keras's PyDatasetAdapter",
              arrays.get_jax_iterator)):

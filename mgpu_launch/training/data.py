@@ -27,8 +27,8 @@ of the step, so the host work overlaps the device's. ``MGPU_PREFETCH=0`` turns i
 (Keras's own feeding).
 On TensorFlow the same thread iterates a ``tf.data`` input and copies its batches to the GPU
 (``backends/tensorflow/feeding.py``). A ``tf.data`` that :func:`shard` returned is shuffled,
-batched and ``.prefetch(tf.data.AUTOTUNE)``-ed already, and the device feed begins its next
-epoch (a new tf.data iterator, its shuffle buffer filled) while the current one ends
+batched and ``.prefetch(tf.data.AUTOTUNE)``-ed already, and on JAX the device feed begins
+its next epoch (a new tf.data iterator, its shuffle buffer filled) while the current one ends
 (``training/sharded.py``).
 """
 

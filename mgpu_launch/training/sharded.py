@@ -4,9 +4,10 @@ A dataset shard made is one mgpu knows the whole of: shuffled by tf.data's own s
 (its order for each epoch decided inside tf.data, not by anything that runs between epochs),
 split, batched and ``.prefetch(tf.data.AUTOTUNE)``-ed. Two things follow:
 
-- the device feed may begin its next epoch while this one ends (``patches/fit.py``: starting a
-  tf.data iterator and filling its shuffle buffer costs tens of ms an epoch, which a short epoch
-  otherwise waits for at its first step);
+- on JAX the device feed may begin its next epoch while this one ends (``patches/fit.py``,
+  which says why not on TensorFlow): starting a tf.data iterator and filling its shuffle
+  buffer costs milliseconds to tens of ms an epoch, which a short epoch otherwise waits for
+  at its first step;
 - the efficiency report's input advice does not tell its user to add a ``.prefetch`` they
   cannot see (:func:`input_kind`).
 

@@ -31,7 +31,6 @@ from typing import Any, List, Sequence
 
 import numpy as np
 
-from mgpu_launch import keras_internals
 from mgpu_launch.backends import Engine, reduction
 from mgpu_launch.runtime.rendezvous import bind_address, job_host_address, rendezvous
 from mgpu_launch.config import settings
@@ -128,14 +127,6 @@ class JaxEngine(Engine):
         import keras
         if keras.distribution.distribution() is not None:
             return None  # keras.distribution lays batches out itself
-        dataset = keras_internals.tf_dataset_of(epoch_iterator.data_adapter)
-        if dataset is not None and _dense(dataset):
-            # A tf.data of dense tensors (the keras-hub recipe: mgpu.data.shard of a tf.data):
-            # its iterator is made here, when the feed makes the epoch's source (for shard's
-            # tf.data while the epoch before ends), not at its first batch as in Keras's
-            # generator; per batch it costs the thread what Keras's conversion does
-            # (benchmarks/transformers/recipe_feed_cpu.md).
-            return dataset.as_numpy_iterator()
         return epoch_iterator.data_adapter.get_jax_iterator()
 
     def prefetch_transfer(self):
@@ -354,13 +345,6 @@ def localize(tree):
             return value.addressable_data(0)
         return value
     return jax.tree.map(local, tree)
-
-
-def _dense(dataset) -> bool:
-    """Whether every component of `dataset`'s elements is a dense tensor (no sparse or ragged
-    one, which Keras's own conversion handles)."""
-    import tensorflow as tf
-    return all(type(spec) is tf.TensorSpec for spec in tf.nest.flatten(dataset.element_spec))
 
 
 def _to_device():
