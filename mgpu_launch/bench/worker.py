@@ -212,7 +212,8 @@ def main(argv=None) -> None:
         rank 0 of a recorded row)."""
         total = timing.warmup_steps + timing.steps
         timer = make_window_timer(keras, timing, total)
-        report = efficiency_report.EfficiencyReport(batch) if recorded else None
+        kind = {"recipe": "shard tf.data", "numpy": "arrays"}.get(mode, "PyDataset")
+        report = efficiency_report.EfficiencyReport(batch, kind) if recorded else None
         step_timer.reset()
         fit(mode, total, [timer] + ([report] if report else []))
         text = efficiency.render(report.figures) if report and report.figures else None
