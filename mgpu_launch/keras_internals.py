@@ -32,7 +32,8 @@ __all__ = [
     "in_stateless_scope", "in_symbolic_scope", "initial_epoch", "internals_error",
     "momentum_slots", "next_epoch_is_known_early",
     "own_variables", "raw_learning_rate", "restart_batches", "set_initial_epoch",
-    "set_steps_seen", "shuffles", "steps_seen", "swap_learning_rate", "tf_epoch_dataset",
+    "set_steps_seen", "shuffles", "steps_seen", "swap_learning_rate", "tf_dataset_of",
+    "tf_epoch_dataset",
     "to_torch_dtype",
     "torch_convert_to_tensor", "torch_device",
 ]
@@ -231,6 +232,16 @@ def next_epoch_is_known_early(adapter) -> bool:
     return (_get(adapter, "enqueuer", _FEED) is None
             and type(dataset).on_epoch_end is base.on_epoch_end
             and type(dataset).on_epoch_begin is base.on_epoch_begin)
+
+
+def tf_dataset_of(adapter):
+    """The ``tf.data`` dataset given to ``fit`` when `adapter` is Keras's adapter of one (None
+    for any other adapter): the JAX engine iterates it itself, and the device feed may begin
+    its next epoch early when ``mgpu.data.shard`` made it."""
+    module = _module("keras.src.trainers.data_adapters.tf_dataset_adapter", _FEED)
+    if not isinstance(adapter, _get(module, "TFDatasetAdapter", _FEED)):
+        return None
+    return adapter.get_tf_dataset()
 
 
 def tf_epoch_dataset(iterator):

@@ -74,6 +74,12 @@ class Feeding(abc.ABC):
         """Whether the prefetch thread may begin the next epoch's batches before this epoch
         ends (where the data allows it) without changing what Keras's feeding gives."""
 
+    @abc.abstractmethod
+    def runs_sharded_tf_data_ahead(self) -> bool:
+        """Whether a ``tf.data`` that ``mgpu.data.shard`` made may begin its next epoch while
+        this one ends: only where Keras makes one iterator of it per epoch (JAX), since each
+        iterator made draws the next reshuffle seed (TensorFlow's Keras makes two)."""
+
 
 class TrainStep(abc.ABC):
     """The compiled train step: who builds it, what runs inside it, the first step's copy."""

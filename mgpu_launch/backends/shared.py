@@ -45,6 +45,10 @@ class KerasFeeding:
         """Whether the next epoch's batches may be begun while this one ends (torch: no)."""
         return True
 
+    def runs_sharded_tf_data_ahead(self) -> bool:
+        """No: Keras's TF epoch iterator makes two tf.data iterators an epoch (JAX: yes)."""
+        return False
+
 
 class KerasTrainStep:
     """The train step as Keras builds it: the engine neither replaces nor wraps

@@ -9,6 +9,7 @@ import sys
 import threading
 from typing import Dict, List, Optional
 
+from mgpu_launch.bench import names
 from mgpu_launch.config import devices
 from mgpu_launch.runtime import folders
 
@@ -49,14 +50,18 @@ def command(args, backend: str, model: str, precision: str, data_format: str, gp
         worker += ["--batch-per-gpu", str(args.batch_per_gpu)]
     if args.profile:
         worker.append("--profile")
-    if backend not in ("native", "mirrored"):  # mgpu's own knobs: the references have none
+    if names.compiles(backend):  # torch.compile of the step (names.py)
+        worker.append("--compile")
+    if backend not in ("native", "native+compile", "mirrored"):  # the references have no mgpu
+        graphs = {"torch+cudagraph": ["1"], "torch+compile": ["0"]}.get(backend,
+                                                                        args.cuda_graphs)
         worker += ["--prefetch", ",".join(map(str, args.prefetch_depths)),
-                   "--cuda-graph", ",".join(args.cuda_graphs),
+                   "--cuda-graph", ",".join(graphs),
                    "--steps-per-execution", ",".join(map(str, args.executions)),
                    "--recorder", ",".join(args.recorders)]
         if args.compression != "none":
             worker += ["--compression", args.compression]
-    if backend == "native":
+    if names.is_native(backend):
         worker[1] = "mgpu_launch.bench.native"
     if backend == "mirrored":  # one process, not a launcher job: it replicates over N GPUs
         worker[1] = "mgpu_launch.bench.mirrored"
@@ -67,14 +72,12 @@ def command(args, backend: str, model: str, precision: str, data_format: str, gp
 def environment(args, backend: str, gpus: int) -> Dict[str, str]:
     """One job's environment: this one, with the job's Keras backend and (--cpu) no GPU."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2")
-    if backend == "native":
+    if names.is_native(backend):
         env["MGPU_ENGINE"] = "none"
-    elif backend == "mirrored":
-        env["KERAS_BACKEND"] = "tensorflow"
-        if not args.cpu:  # the GPUs the N-process job's ranks are pinned to: the first N
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(devices.visible_gpus()[:gpus])
     else:
-        env["KERAS_BACKEND"] = backend
+        env["KERAS_BACKEND"] = names.keras_backend(backend)
+    if backend == "mirrored" and not args.cpu:  # the GPUs the N-process job's ranks use
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(devices.visible_gpus()[:gpus])
     if args.cpu:
         env.update(CUDA_VISIBLE_DEVICES="", JAX_PLATFORMS="cpu")
     return env

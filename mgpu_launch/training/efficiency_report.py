@@ -22,6 +22,7 @@ import numpy as np
 
 from mgpu_launch import backends, runtime
 from mgpu_launch.runtime import collectives, timeline
+from mgpu_launch.training import sharded
 from mgpu_launch.training.efficiency import TIMED_STEPS, analyse, render
 from mgpu_launch.training import optimizer_options
 from mgpu_launch.config import settings
@@ -56,7 +57,7 @@ def add_report(arguments: Dict[str, Any]) -> None:
         else callbacks or []
     if any(isinstance(callback, EfficiencyReport) for callback in listed):
         return
-    report = EfficiencyReport(batch_size_of(arguments))
+    report = EfficiencyReport(batch_size_of(arguments), sharded.input_kind(arguments.get("x")))
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks.append(report)
     else:
@@ -138,11 +139,13 @@ class EfficiencyReport(keras.callbacks.Callback):
 
     Args:
         batch_size: samples per step on one rank, when fit knows it (None: steps/s are shown).
+        input_kind: what fit was given (``sharded.input_kind``), for the input advice.
     """
 
-    def __init__(self, batch_size: Optional[int] = None):
+    def __init__(self, batch_size: Optional[int] = None, input_kind: Optional[str] = None):
         super().__init__()
         self.batch_size = batch_size
+        self.input_kind = input_kind
         self.bookmark = 0
         self.figures: Optional[Dict[str, Any]] = None
 
@@ -162,8 +165,9 @@ class EfficiencyReport(keras.callbacks.Callback):
                                combined([timed for _, timed in ranks]))
         if self.figures is None:
             return
-        # the engine's word on a step that dominates
+        # the engine's word on a step that dominates; what the input was, for its advice
         self.figures["step_hint"] = backends.get_engine().step_advice(
             self.model, optimizer_options.step_options(self.model))
+        self.figures["input_kind"] = self.input_kind
         if self.params.get("verbose", 0):
             print(render(self.figures), file=sys.stdout, flush=True)

@@ -136,6 +136,11 @@ class JaxEngine(shared.KerasFeeding, shared.KerasTrainStep, shared.HostBroadcast
             return None  # keras.distribution lays batches out itself
         return epoch_iterator.data_adapter.get_jax_iterator()
 
+    def runs_sharded_tf_data_ahead(self) -> bool:
+        """Yes: Keras's JAX iterator of a tf.data makes one tf.data iterator an epoch, when
+        first read, as the feed's passes do, so running ahead keeps Keras's order."""
+        return True
+
     def prefetch_transfer(self):
         return _to_device()
 

@@ -150,6 +150,10 @@ class TorchEngine(shared.KerasTrainStep, shared.HostBroadcast, shared.DenseReduc
         early, the draws would leave Keras's order."""
         return False
 
+    def runs_sharded_tf_data_ahead(self) -> bool:
+        """No: no epoch runs ahead on torch (:meth:`runs_epochs_ahead`)."""
+        return False
+
     # -- the train step -----------------------------------------------------------------------------
     def wrap_train_function(self, model, function, options: reduction.StepOptions):
         """With ``MGPU_TORCH_CUDA_GRAPH=1`` (or ``DistributedOptimizer(cuda_graph=True)``):

@@ -16,7 +16,7 @@ from typing import Optional, Tuple
 
 from mgpu_launch import backends, keras_internals, runtime
 from mgpu_launch.training import (efficiency_report, epoch_resume, fit_guard, optimizer_options,
-                                  prefetch, stall_probes)
+                                  prefetch, sharded, stall_probes)
 
 # (epochs done, batches done in the next epoch) for the next training epoch to start from.
 _resume: Optional[Tuple[int, int]] = None
@@ -98,11 +98,23 @@ def epoch_iterator(original):
 
 def _feed(epoch_iterator, original, engine, depth: int, epochs: Optional[int]):
     """A new EpochFeed for `epoch_iterator`; `epochs`: the fit's, when this is its training
-    iterator (None: not, or unknown)."""
+    iterator (None: not, or unknown).
+
+    A ``tf.data`` that ``mgpu.data.shard`` made runs ahead where the engine says so (JAX). Its order for an epoch
+    is decided inside tf.data, by how many iterators of it were made before (each draws the
+    next reshuffle seed). On JAX, Keras's iterator of it is a generator that makes its tf.data
+    iterator when first read, one an epoch, as the feed's passes do. On TensorFlow, Keras
+    makes two an epoch (one at its start, one it never reads at its end), which the feed
+    without run-ahead repeats, as it is asked; run ahead, it would make one and leave Keras's
+    order (``tests/training/test_epoch_feed.py``).
+    """
     per_epoch = epoch_iterator.num_batches
     planned = epochs * per_epoch if epochs and per_epoch else None
+    adapter = epoch_iterator.data_adapter
     run_ahead = (planned is not None and engine.runs_epochs_ahead()
-                 and keras_internals.next_epoch_is_known_early(epoch_iterator.data_adapter))
+                 and (keras_internals.next_epoch_is_known_early(adapter)
+                      or (engine.runs_sharded_tf_data_ahead() and sharded.is_sharded_tf_dataset(
+                          keras_internals.tf_dataset_of(adapter)))))
     # a weak reference: the thread must not keep the epoch iterator (and so the feed) alive
     owner = weakref.ref(epoch_iterator)
 
