@@ -12,6 +12,7 @@ output through it.
 
 import collections
 import dataclasses
+import io
 import os
 import re
 import signal
@@ -20,6 +21,7 @@ from typing import Deque, Dict, List, Optional, TextIO, Tuple
 
 from mgpu_launcher import merge
 from mgpu_launch.config import settings
+from mgpu_launch.runtime import folders
 from mgpu_launcher.mpirun import Flavour
 from mgpu_launch.config.markers import (BACKUP_MARKER, FAILURE_MARKER, PROGRESS_MARKER, RESIZE_MARKER,
                                   STALL_MARKER)
@@ -41,6 +43,22 @@ _MPIRUN_REFUSALS = [
      "Fix: give the hosts more slots, start fewer processes (-np), or allow more processes "
      "than slots with --mpirun-args='--oversubscribe'."),
 ]
+
+
+def private_output_dir(path: str) -> str:
+    """The real path of the per-rank log folder (``--output-dir``, the launcher API's
+    `output_dir`), created with mode 0700 when missing.
+
+    The rule of every folder a job writes (:func:`mgpu_launch.runtime.folders.private_folder`):
+    a folder of this user that nobody else may write in, on a path nobody else may redirect (a
+    link at the folder itself included); else nothing is written there.
+
+    Raises:
+        mgpu_launch.runtime.folders.UnsafeFolder: (a PermissionError) naming the folder, its
+            owner or mode, and the fix.
+        FileExistsError, NotADirectoryError: the path, or a part of it, is not a folder.
+    """
+    return folders.private_folder(path, "--output-dir")
 
 
 @dataclasses.dataclass
@@ -74,13 +92,25 @@ class OutputRelay:
         self.backup: Optional[str] = None
         self.logs: Dict[int, TextIO] = {}
         self.lock = threading.Lock()
-        if output_dir:
-            os.makedirs(output_dir, exist_ok=True)
+        if output_dir:  # checked again at every attempt: the folder may change meanwhile
+            self.output_dir = private_output_dir(output_dir)
 
     def _log(self, rank: int) -> TextIO:
+        """Rank `rank`'s log, created anew (0600) in the private output folder.
+
+        Whatever an earlier run left at the name (its log, a link) is removed first (unlink
+        follows no link), then the file is created with ``O_EXCL | O_NOFOLLOW``: only this user
+        can add entries to the folder (:func:`private_output_dir`), and should anything appear
+        there meanwhile the create fails instead of writing through it.
+        """
         if rank not in self.logs:
             path = os.path.join(self.output_dir, f"rank.{rank}.log")
-            self.logs[rank] = open(path, "w", buffering=1, encoding="utf-8")
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            self.logs[rank] = io.TextIOWrapper(folders.open_new(path), encoding="utf-8",
+                                               line_buffering=True)
         return self.logs[rank]
 
     def line(self, raw: str, default_stream: str) -> None:
