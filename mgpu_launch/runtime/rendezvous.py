@@ -6,6 +6,7 @@ TensorFlow's servers).
 """
 
 import contextlib
+import errno
 import ipaddress
 import socket
 from typing import Iterator, Optional, Sequence, Tuple
@@ -155,6 +156,59 @@ def bind_host(dial_host: str, job_host: Optional[str] = None) -> str:
     return resolved or dial_host
 
 
+def dial_host(job_host: str, chosen: Optional[str]) -> str:
+    """The address the ranks dial for a listener on rank 0's host: ``MGPU_BIND_ADDRESS``
+    (`chosen`) when it names one address, since the listener is bound there and nowhere else
+    (127.0.0.2 is reachable on its host only at 127.0.0.2); else `job_host`, the job's host
+    address (:func:`job_host_address`), also for ``0.0.0.0`` (every interface)."""
+    if chosen and not ipaddress.ip_address(chosen).is_unspecified:
+        return chosen
+    return job_host
+
+
+def bind_problem(chosen: Optional[str], host_names: Sequence[str]) -> Optional[str]:
+    """Why ``MGPU_BIND_ADDRESS`` (`chosen`) cannot work for a job whose ranks run on the hosts
+    `host_names`, or None: a loopback address is reachable from its own host only, so it is
+    refused for a job on several hosts."""
+    names = sorted(set(host_names))
+    if not chosen or not _is_loopback(chosen) or len(names) < 2:
+        return None
+    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    return (f"MGPU_BIND_ADDRESS={chosen} is a loopback address, but the job runs on "
+            f"{len(names)} hosts ({shown}): the ranks on the other hosts could never reach rank "
+            f"0's listeners there. Unset MGPU_BIND_ADDRESS (the job's host address is bound), "
+            f"or set it to rank 0's address on the job's network")
+
+
+def checked_bind(state, job_host: str) -> Tuple[str, str]:
+    """Collective: (the address rank 0's listeners bind, the address every rank dials them at),
+    after checking that ``MGPU_BIND_ADDRESS`` can be reached by every rank of the job.
+
+    Raises:
+        RuntimeError: on every rank alike, ``MGPU_BIND_ADDRESS`` is a loopback address and the
+            ranks run on several hosts (:func:`bind_problem`).
+        settings.SettingError: ``MGPU_BIND_ADDRESS`` is not an IPv4 address.
+    """
+    bound = bind_host(job_host)
+    chosen = settings.text("MGPU_BIND_ADDRESS")
+    own = socket.gethostname()
+    names = state.comm.allgather(own) if state.comm is not None else [own]
+    problem = bind_problem(chosen, names)
+    if problem:
+        raise RuntimeError(problem)
+    return bound, dial_host(job_host, chosen)
+
+
+def listen_problem(bound: str, error: OSError) -> Optional[str]:
+    """Advice for a listener that could not bind `bound` when the address, not the port, is
+    what is wrong (it is none of this host's), else None."""
+    if error.errno != errno.EADDRNOTAVAIL:
+        return None
+    return (f"MGPU_BIND_ADDRESS={bound} is not an address of rank 0's host "
+            f"({socket.gethostname()}): {error.strerror}. Set it to one of that host's "
+            f"addresses (`ip -4 addr`), to 0.0.0.0 for every interface, or unset it")
+
+
 def host_and_port(address: str) -> Tuple[str, int]:
     """``(host, port)`` of a ``host:port`` (an IPv6 host may be written in brackets)."""
     host, _, port = address.rpartition(":")
@@ -210,18 +264,20 @@ def _meet(state, override_variable: str, timeout: float, held: contextlib.ExitSt
     comm = state.comm
     address = None
     host = job_host_address(state)
+    dial = checked_bind(state, host)[1]  # every rank: a bad MGPU_BIND_ADDRESS fails them all
     if state.rank == 0:
         address = settings.text(override_variable)  # an MGPU_* HOST:PORT, checked
         if not address:
-            address = f"{host}:{held.enter_context(reserved_port())}"
+            address = f"{dial}:{held.enter_context(reserved_port())}"
     address = comm.bcast(address, root=0)
-    bound = bind_address(address, host)  # every rank: a bad MGPU_BIND_ADDRESS fails them all
+    bound = bind_address(address, host)
     listener, problem = None, None
     if state.rank == 0:
         try:
             listener = listen(address, host)
         except (OSError, ValueError) as error:
-            problem = (f"rank 0 cannot listen on {bound} ({error}; MGPU_BIND_ADDRESS=0.0.0.0 "
+            problem = (isinstance(error, OSError) and listen_problem(bound, error) or
+                       f"rank 0 cannot listen on {bound} ({error}; MGPU_BIND_ADDRESS=0.0.0.0 "
                        f"binds every interface)")
     problem = comm.bcast(problem, root=0)
     if problem is None:

@@ -293,13 +293,18 @@ def start(state) -> None:
     _position = (0, STARTED, "")
     server = address = problem = None
     host = rendezvous.job_host_address(state)  # collective; not 127.0.1.1 across hosts
-    bound = rendezvous.bind_host(host)  # on every rank: a bad MGPU_BIND_ADDRESS fails them all
+    # collective, on every rank: a bad MGPU_BIND_ADDRESS fails them all; the ranks dial the
+    # address bound (MGPU_BIND_ADDRESS=127.0.0.2 is reachable at 127.0.0.2 only)
+    bound, dial = rendezvous.checked_bind(state, host)
     if state.rank == 0:
         try:
             server = stall_channel.PositionServer(bound, listen_port, state.job_key, state.size)
-            address = f"{host}:{server.port}"
+            address = f"{dial}:{server.port}"
         except OSError as error:
-            problem = (f"the stall inspector cannot listen on {bound}:{listen_port} "
+            advice = rendezvous.listen_problem(bound, error)
+            problem = (f"the stall inspector cannot listen on {bound}:{listen_port}: {advice}."
+                       if advice else
+                       f"the stall inspector cannot listen on {bound}:{listen_port} "
                        f"(MGPU_STALL_PORT={listen_port}): {error}. "
                        f"Pick a port that is free on rank 0's host, or unset MGPU_STALL_PORT.")
     address, problem = state.comm.bcast((address, problem), root=0)
