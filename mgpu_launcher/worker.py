@@ -15,7 +15,7 @@ import sys
 from typing import Optional, Sequence
 
 from mgpu_launch import backends
-from mgpu_launch.config import devices, environments, settings
+from mgpu_launch.config import devices, environments, markers, settings
 from mgpu_launch.config.markers import (ELASTIC_VARIABLE, FAILURE_MARKER, RESIZE_SIGNAL,  # noqa: F401
                                          _resize_requested, abort_job, describe_exception)
 
@@ -112,5 +112,5 @@ def run(kind: str, target: str, args: Sequence[str], pin: bool = True,
     if status != 0 and placement.source != environments.SINGLE_PROCESS.source:
         # A job of one process (an elastic job scaled down to one) has no other rank to stop,
         # but mgpu-train still reads its root cause from this line.
-        print(f"{FAILURE_MARKER} {reason}", file=sys.stderr, flush=True)
+        print(markers.line(FAILURE_MARKER, reason), file=sys.stderr, flush=True)
     return status

@@ -60,6 +60,7 @@ import platform
 import secrets
 import shlex
 import subprocess
+import signal
 import sys
 import time
 from typing import Dict, List, Optional
@@ -230,6 +231,7 @@ def run_all(args) -> int:
     for number, (backend, model, precision, data_format, gpus) in enumerate(to_run, 1):
         label = jobs.job_label(backend, model, precision, data_format, gpus)
         result = os.path.join(out, "logs", f"{label}.json")
+        fresh = jobs.result_path(os.path.join(out, "logs"), label, args.invocation)
         log = os.path.join(out, "logs", f"{label}.log")
         layout = "" if data_format == "channels_last" else f" {data_format}"
         print(f"[{number}/{len(to_run)}] {backend} {model} {precision}{layout} on {gpus} "
@@ -242,14 +244,17 @@ def run_all(args) -> int:
             print(f"    reused from {previous['date']}: {result}", flush=True)
             status = 0
         else:
-            if os.path.lexists(result):  # an earlier call's: the job writes its own
-                os.unlink(result)
+            for stale in [result] + jobs.stale_results(os.path.join(out, "logs"), label):
+                if os.path.lexists(stale):  # an earlier call's: the job writes its own
+                    os.unlink(stale)
             status = jobs.run(jobs.command(args, backend, model, precision, data_format, gpus,
-                                           result),
+                                           fresh),
                               jobs.environment(args, backend, gpus), log, args.timeout)
         try:
-            if status == 0 and not measured:
-                measured = result_file.read(result)
+            if status == 0 and not measured:  # this run's own file, then under the job's name
+                measured = result_file.read(fresh)
+                os.replace(fresh, result)
+                jobs.claim_traces(fresh, result)
         except (OSError, ValueError) as error:
             status = f"0, but its result is unusable: {error}"
         if status != 0:
@@ -260,6 +265,8 @@ def run_all(args) -> int:
         measured, args.digests[label] = measured
         workers.setdefault(backend, measured)
         for row in measured["rows"]:
+            if isinstance(row.get("timeline"), str):  # as the job wrote it, under its run's name
+                row = dict(row, timeline=jobs.trace_name(row["timeline"]))
             shown = names.row_backend(backend, row)  # says so when capture failed
             rows.append(dict(row, backend=shown, precision=precision, gpus=gpus))
             variant = f", {row['variant']}" if row.get("variant") else ""
@@ -323,5 +330,18 @@ def make_header(args, workers: Dict[str, dict], seconds: float) -> dict:
 
 
 def main(argv=None) -> int:
-    """The ``mgpu-bench`` console script (also ``python -m mgpu_launch.bench``)."""
-    return run_all(parse_args(argv))
+    """The ``mgpu-bench`` console script (also ``python -m mgpu_launch.bench``).
+
+    Ctrl-C or SIGTERM stops the running job first (see :mod:`mgpu_launch.bench.jobs`), then
+    the bench, with 128 + the signal's number and no traceback; ``results.json`` keeps the jobs
+    done before, for ``--resume``.
+    """
+    args = parse_args(argv)
+    try:
+        return run_all(args)
+    except (jobs.Stopped, KeyboardInterrupt) as error:
+        signum = getattr(error, "signum", signal.SIGINT)
+        print(f"mgpu-bench: stopped by {signal.Signals(signum).name}; the running job was "
+              f"stopped too (the jobs done before are in {args.out}: finish with --resume)",
+              file=sys.stderr, flush=True)
+        return 128 + signum

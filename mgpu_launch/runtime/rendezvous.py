@@ -6,6 +6,7 @@ TensorFlow's servers).
 """
 
 import contextlib
+import errno
 import ipaddress
 import socket
 from typing import Iterator, Optional, Sequence, Tuple
@@ -158,6 +159,59 @@ def bind_host(dial_host: str, job_host: Optional[str] = None) -> str:
     return resolved or dial_host
 
 
+def dial_host(job_host: str, chosen: Optional[str]) -> str:
+    """The address the ranks dial for a listener on rank 0's host: ``MGPU_BIND_ADDRESS``
+    (`chosen`) when it names one address, since the listener is bound there and nowhere else
+    (127.0.0.2 is reachable on its host only at 127.0.0.2); else `job_host`, the job's host
+    address (:func:`job_host_address`), also for ``0.0.0.0`` (every interface)."""
+    if chosen and not ipaddress.ip_address(chosen).is_unspecified:
+        return chosen
+    return job_host
+
+
+def bind_problem(chosen: Optional[str], host_names: Sequence[str]) -> Optional[str]:
+    """Why ``MGPU_BIND_ADDRESS`` (`chosen`) cannot work for a job whose ranks run on the hosts
+    `host_names`, or None: a loopback address is reachable from its own host only, so it is
+    refused for a job on several hosts."""
+    names = sorted(set(host_names))
+    if not chosen or not _is_loopback(chosen) or len(names) < 2:
+        return None
+    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    return (f"MGPU_BIND_ADDRESS={chosen} is a loopback address, but the job runs on "
+            f"{len(names)} hosts ({shown}): the ranks on the other hosts could never reach rank "
+            f"0's listeners there. Unset MGPU_BIND_ADDRESS (the job's host address is bound), "
+            f"or set it to rank 0's address on the job's network")
+
+
+def checked_bind(state, job_host: str) -> Tuple[str, str]:
+    """Collective: (the address rank 0's listeners bind, the address every rank dials them at),
+    after checking that ``MGPU_BIND_ADDRESS`` can be reached by every rank of the job.
+
+    Raises:
+        RuntimeError: on every rank alike, ``MGPU_BIND_ADDRESS`` is a loopback address and the
+            ranks run on several hosts (:func:`bind_problem`).
+        settings.SettingError: ``MGPU_BIND_ADDRESS`` is not an IPv4 address.
+    """
+    bound = bind_host(job_host)
+    chosen = settings.text("MGPU_BIND_ADDRESS")
+    own = socket.gethostname()
+    names = state.transport.allgather_object(own) if state.transport is not None else [own]
+    problem = bind_problem(chosen, names)
+    if problem:
+        raise RuntimeError(problem)
+    return bound, dial_host(job_host, chosen)
+
+
+def listen_problem(bound: str, error: OSError) -> Optional[str]:
+    """Advice for a listener that could not bind `bound` when the address, not the port, is
+    what is wrong (it is none of this host's), else None."""
+    if error.errno != errno.EADDRNOTAVAIL:
+        return None
+    return (f"MGPU_BIND_ADDRESS={bound} is not an address of rank 0's host "
+            f"({socket.gethostname()}): {error.strerror}. Set it to one of that host's "
+            f"addresses (`ip -4 addr`), to 0.0.0.0 for every interface, or unset it")
+
+
 def host_and_port(address: str) -> Tuple[str, int]:
     """``(host, port)`` of a ``host:port`` (an IPv6 host may be written in brackets)."""
     host, _, port = address.rpartition(":")
@@ -210,15 +264,20 @@ def rendezvous(state, override_variable: str, timeout: float = 60.0) -> Iterator
         yield _meet(state, override_variable, timeout, held)
 
 
+class _NotThisHost(Exception):
+    """Rank 0 cannot listen because ``MGPU_BIND_ADDRESS`` is none of its host's addresses."""
+
+
 def _meet(state, override_variable: str, timeout: float, held: contextlib.ExitStack) -> str:
     transport = state.transport
     host = job_host_address(state)
+    dial = checked_bind(state, host)[1]  # every rank: a bad MGPU_BIND_ADDRESS fails them all
 
     def pick() -> str:  # rank 0: an MGPU_* HOST:PORT (checked), else a port held for the framework
-        return settings.text(override_variable) or f"{host}:{held.enter_context(reserved_port())}"
+        return settings.text(override_variable) or f"{dial}:{held.enter_context(reserved_port())}"
 
     address = agreement.decided_by_root(transport, pick, {})
-    bound = bind_address(address, host)  # every rank: a bad MGPU_BIND_ADDRESS fails them all
+    bound = bind_address(address, host)
 
     def unreachable(rank: int, text: str, failed: int = 1) -> RuntimeError:
         return RuntimeError(
@@ -235,10 +294,17 @@ def _meet(state, override_variable: str, timeout: float, held: contextlib.ExitSt
 
     def listen_on_rank_0() -> None:
         nonlocal listener
-        listener = listen(address, host)
+        try:
+            listener = listen(address, host)
+        except OSError as error:  # the address, not the port, may be what is wrong
+            advice = listen_problem(bound, error)
+            if advice:
+                raise _NotThisHost(advice) from error
+            raise
 
-    agreement.decided_by_root(transport, listen_on_rank_0,
-                              {OSError: cannot_listen, ValueError: cannot_listen})
+    agreement.decided_by_root(transport, listen_on_rank_0, {
+        _NotThisHost: lambda advice: unreachable(0, advice),
+        OSError: cannot_listen, ValueError: cannot_listen})
     problem = ""
     try:
         with socket.create_connection(host_and_port(address), timeout=timeout):

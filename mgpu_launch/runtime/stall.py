@@ -293,15 +293,25 @@ def start(state) -> None:
     listen_port = port()  # on every rank: a bad value fails them all alike
     _position = (0, STARTED, "")
     host = rendezvous.job_host_address(state)  # collective; not 127.0.1.1 across hosts
-    bound = rendezvous.bind_host(host)  # on every rank: a bad MGPU_BIND_ADDRESS fails them all
+    # collective, on every rank: a bad MGPU_BIND_ADDRESS fails them all; the ranks dial the
+    # address bound (MGPU_BIND_ADDRESS=127.0.0.2 is reachable at 127.0.0.2 only)
+    bound, dial = rendezvous.checked_bind(state, host)
     server = None
 
     def listen_on_rank_0() -> str:
         nonlocal server
-        server = stall_channel.PositionServer(bound, listen_port, state.job_key, state.size)
-        return f"{host}:{server.port}"
+        try:
+            server = stall_channel.PositionServer(bound, listen_port, state.job_key, state.size)
+        except OSError as error:  # the address, not the port, may be what is wrong
+            advice = rendezvous.listen_problem(bound, error)
+            if advice:
+                raise ValueError(advice) from error
+            raise
+        return f"{dial}:{server.port}"
 
     address = agreement.decided_by_root(state.transport, listen_on_rank_0, {
+        ValueError: lambda advice: RuntimeError(
+            f"the stall inspector cannot listen on {bound}:{listen_port}: {advice}."),
         OSError: lambda why: RuntimeError(
             f"the stall inspector cannot listen on {bound}:{listen_port} "
             f"(MGPU_STALL_PORT={listen_port}): {why}. "
