@@ -19,7 +19,7 @@ import shlex
 import sys
 from typing import List, Optional, Tuple
 
-from mgpu_launcher import elastic, hostfiles, mpirun, restarts, supervisor, worker
+from mgpu_launcher import elastic, foreign, hostfiles, mpirun, restarts, supervisor, worker
 from mgpu_launch.config import settings
 from mgpu_launcher.usage import PROG
 
@@ -95,6 +95,10 @@ def build_job(config: Config) -> Tuple[List[str], mpirun.Flavour, dict]:
     if mpirun.one_host(config.hosts, config.hostfile, config.mpirun_args, env):
         for name, value in flavour.one_host_env:  # the user's own setting wins
             env.setdefault(name, value)
+        # Keras's and torchrun's coordinator: a port held here, so no rank needs MPI to agree
+        if not settings.is_set(foreign.COORDINATOR_VARIABLE, env):
+            env[foreign.COORDINATOR_VARIABLE] = foreign.launcher_coordinator()
+            names = sorted(set(names) | {foreign.COORDINATOR_VARIABLE})
     local = not (config.hosts or config.hostfile)
     command = mpirun.build_command(
         path, flavour, config.np, worker_command(config), hosts=config.hosts,
