@@ -69,7 +69,7 @@ def worker_command(config: Config) -> List[str]:
 
 def job_environment(config: Config) -> Tuple[dict, List[str]]:
     """The environment mpirun starts with, and the variable names it must forward."""
-    env = dict(os.environ)
+    env = foreign.without_own(os.environ)  # a rank starting a job: not its own RANK, ...
     if config.timeline:  # forwarded to the ranks with every MGPU_* variable
         env["MGPU_TIMELINE"] = config.timeline
     if config.max_restarts > 0:

@@ -63,6 +63,9 @@ MASTER_ADDR, MASTER_PORT = "MASTER_ADDR", "MASTER_PORT"
 
 #: ports held for the life of this process (a listener of the program binds them meanwhile)
 _held: List[socket.socket] = []
+#: what export() set in this process: a job this process starts (mgpu_launch.run from a
+#: script that mgpu-train runs) must not hand it on to its own ranks
+_exported: Dict[str, str] = {}
 
 
 def _hold_port() -> int:
@@ -214,7 +217,15 @@ def export(placement: environments.Placement, environ: MutableMapping[str, str] 
     if address is not None and not keras_given:
         exported.update(keras_variables(placement, address, names))
     environ.update(exported)
+    _exported.update(exported)
     return exported
+
+
+def without_own(environ: Mapping[str, str]) -> Dict[str, str]:
+    """`environ` less the variables :func:`export` set in this process (still unchanged): the
+    environment for the ranks of a job this process starts, which get their own."""
+    return {name: value for name, value in environ.items()
+            if _exported.get(name, None) != value}
 
 
 def hint_for(error: BaseException, environ: Mapping[str, str] = os.environ) -> Optional[str]:

@@ -157,9 +157,7 @@ def test_ddp_tutorial_under_mpirun(tmp_path):
 
 def test_ddp_tutorial_under_torchrun_itself(tmp_path):
     """The same script under torchrun: it is torchrun's flow, not one made for mgpu-train."""
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    command = ([torchrun] if os.access(torchrun, os.X_OK) else
-               [sys.executable, "-m", "torch.distributed.run"])
+    command = torchrun_command()
     env = {key: value for key, value in job_env().items()
            if not key.startswith(("OMPI_", "PMIX_", "MGPU_"))}
     result = subprocess.run([*command, "--standalone", "--nproc-per-node", "2", DDP,
@@ -168,6 +166,26 @@ def test_ddp_tutorial_under_torchrun_itself(tmp_path):
     assert result.returncode == 0, explain(result)
     reports = check_ddp(tmp_path, result, epochs=2)
     assert reports[0]["env"]["MASTER_ADDR"]
+
+
+def torchrun_command():
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    return ([torchrun] if os.access(torchrun, os.X_OK) else
+            [sys.executable, "-m", "torch.distributed.run"])
+
+
+def test_an_mgpu_script_under_torchrun_is_refused_clearly(tmp_path):
+    """Not yet supported (it needs a transport on torch's TCPStore, issue 59 item 3): the
+    refusal names the launchers that work, and the job ends."""
+    env = {key: value for key, value in job_env(MGPU_ENGINE="none").items()
+           if not key.startswith(("OMPI_", "PMIX_"))}
+    result = subprocess.run([*torchrun_command(), "--standalone", "--nproc-per-node", "2", "-m",
+                             "mgpu_launcher", os.path.join(SCRIPTS, "report.py"), str(tmp_path)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0, explain(result)
+    assert "torchrun says this job has 2 processes but MPI's COMM_WORLD has 1" in result.stderr, \
+        explain(result)
+    assert "mgpu-train -np N, mpirun, or srun --mpi=pmix" in result.stderr
 
 
 def test_a_torchrun_style_start_without_master_addr_fails_at_once(tmp_path):

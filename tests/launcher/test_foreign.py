@@ -2,6 +2,7 @@
 which ones, with what values, what is left alone, and the hints after a failure. In-process,
 no job; the jobs that run real scripts with them are in tests/test_foreign_scripts.py."""
 
+import os
 import socket
 
 import pytest
@@ -108,3 +109,20 @@ def test_the_launcher_holds_one_coordinator_for_a_one_host_job(tmp_path, monkeyp
 def test_hints_only_for_the_failures_these_variables_cause(text, environ, expected):
     hint = foreign.hint_for(ValueError(text), environ)
     assert (hint is None) if expected is None else (expected in hint)
+
+
+def test_a_job_started_from_a_rank_does_not_inherit_that_ranks_variables(tmp_path, monkeypatch):
+    """mgpu_launch.run() called in a script that mgpu-train runs: its ranks get their own."""
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "MGPU_COORDINATOR",
+                 "KERAS_DISTRIBUTION_JOB_ADDRESSES"):
+        monkeypatch.delenv(name, raising=False)
+    environ = dict(os.environ)
+    exported = foreign.export(SINGLE, environ)
+    for name, value in exported.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("RANK", "5")  # changed since: not ours any more, kept
+    script = tmp_path / "train.py"
+    script.write_text("")
+    env = api.build_job(cli.parse_args(["-np", "2", str(script)]))[2]
+    assert "MASTER_ADDR" not in env and "KERAS_DISTRIBUTION_JOB_ADDRESSES" not in env
+    assert env["RANK"] == "5"
