@@ -31,6 +31,11 @@ program starts (:func:`coordinator`):
    then finds the coordinator; a torchrun-style script fails at once on the missing
    ``MASTER_ADDR``).
 
+JAX's coordinator binds the address it is dialled at (``JAX_COORDINATOR_BIND_ADDRESS``, also
+exported; ``MGPU_BIND_ADDRESS`` chooses another host), not every interface as JAX's default
+does (measured: ``*:PORT`` without it, ``127.0.0.1`` with it, on one host). A script that passes
+its own ``job_addresses`` must then unset it.
+
 Left as they are: everything when torchrun started the ranks (its variables are the truth, and
 its store holds ``MASTER_PORT``); the three ``KERAS_DISTRIBUTION_*`` variables when
 ``KERAS_DISTRIBUTION_JOB_ADDRESSES`` is already set; ``MASTER_ADDR`` and ``MASTER_PORT`` when
@@ -42,6 +47,7 @@ GPUs: ``LOCAL_RANK`` is the process's rank on its host, as torchrun sets it. Wit
 docs/starting-processes.md says which launcher runs which kind of script.
 """
 
+import ipaddress
 import os
 import socket
 import sys
@@ -60,6 +66,8 @@ WORLD_SIZE, RANK = "WORLD_SIZE", "RANK"
 LOCAL_RANK, LOCAL_WORLD_SIZE = "LOCAL_RANK", "LOCAL_WORLD_SIZE"
 GROUP_RANK, GROUP_WORLD_SIZE = "GROUP_RANK", "GROUP_WORLD_SIZE"
 MASTER_ADDR, MASTER_PORT = "MASTER_ADDR", "MASTER_PORT"
+#: where JAX's coordinator binds (jax.distributed.initialize reads it when given no bind address)
+JAX_BIND = "JAX_COORDINATOR_BIND_ADDRESS"
 
 #: ports held for the life of this process (a listener of the program binds them meanwhile)
 _held: List[socket.socket] = []
@@ -187,6 +195,26 @@ def torchrun_variables(placement: environments.Placement, address: Optional[str]
     return found
 
 
+def jax_bind_address(address: str, environ: Mapping[str, str]) -> Optional[str]:
+    """Where JAX's coordinator (started by ``keras.distribution.initialize()`` on rank 0) binds:
+    the address it is dialled at, or ``MGPU_BIND_ADDRESS``'s host; None to leave JAX's default
+    (every interface, ``[::]:PORT``): the variable is set already, or the host is a name.
+
+    Example:
+        >>> jax_bind_address("127.0.0.1:4000", {})
+        '127.0.0.1:4000'
+    """
+    if JAX_BIND in environ:
+        return None
+    host, _, port = address.rpartition(":")
+    host = settings.text("MGPU_BIND_ADDRESS", environ) or host
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return None
+    return f"{host}:{port}"
+
+
 def export(placement: environments.Placement, environ: MutableMapping[str, str] = os.environ,
            warn=None) -> Dict[str, str]:
     """Export Keras's and torchrun's variables for this rank into `environ`; returns them.
@@ -216,6 +244,9 @@ def export(placement: environments.Placement, environ: MutableMapping[str, str] 
     exported = torchrun_variables(placement, None if master_given else address, group)
     if address is not None and not keras_given:
         exported.update(keras_variables(placement, address, names))
+        bind = jax_bind_address(address, environ)
+        if bind:
+            exported[JAX_BIND] = bind
     environ.update(exported)
     _exported.update(exported)
     return exported

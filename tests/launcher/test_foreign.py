@@ -43,6 +43,18 @@ def test_the_launchers_coordinator_is_used_and_every_rank_gets_its_own_ids():
     assert (environ["RANK"], environ["WORLD_SIZE"], environ["LOCAL_RANK"],
             environ["LOCAL_WORLD_SIZE"]) == ("1", "2", "1", "2")
     assert (environ["GROUP_RANK"], environ["GROUP_WORLD_SIZE"]) == ("0", "1")  # one host
+    assert environ["JAX_COORDINATOR_BIND_ADDRESS"] == "127.0.0.1:4000"  # not JAX's [::]:4000
+
+
+@pytest.mark.parametrize("environ, expected", [
+    ({"MGPU_BIND_ADDRESS": "0.0.0.0"}, "0.0.0.0:4000"),
+    ({"JAX_COORDINATOR_BIND_ADDRESS": "10.0.0.2:5"}, "10.0.0.2:5"),  # the user's, untouched
+    ({"MGPU_COORDINATOR": "node1:4000"}, None),  # a name: JAX's default
+])
+def test_where_jax_binds(environ, expected):
+    environ = {"MGPU_COORDINATOR": "127.0.0.1:4000", **environ}
+    foreign.export(TWO_LOCAL, environ)
+    assert environ.get("JAX_COORDINATOR_BIND_ADDRESS") == expected
 
 
 def test_the_addresses_name_each_ranks_host_when_known():
