@@ -41,7 +41,8 @@ its store holds ``MASTER_PORT``); the three ``KERAS_DISTRIBUTION_*`` variables w
 ``KERAS_DISTRIBUTION_JOB_ADDRESSES`` is already set; ``MASTER_ADDR`` and ``MASTER_PORT`` when
 either is set (a batch script's own choice).
 
-GPUs: ``LOCAL_RANK`` is the process's rank on its host, as torchrun sets it. With pinning
+GPUs: a JAX rank sees every GPU of its host, so it also gets ``JAX_LOCAL_DEVICE_IDS``, its
+pinned GPU (:func:`export_jax_device`). ``LOCAL_RANK`` is the process's rank on its host, as torchrun sets it. With pinning
 (the default) the process sees its one GPU as ``cuda:0``; a script that picks
 ``cuda:LOCAL_RANK`` needs ``mgpu-train --no-pin`` (every GPU visible, as under torchrun).
 docs/starting-processes.md says which launcher runs which kind of script.
@@ -68,6 +69,8 @@ GROUP_RANK, GROUP_WORLD_SIZE = "GROUP_RANK", "GROUP_WORLD_SIZE"
 MASTER_ADDR, MASTER_PORT = "MASTER_ADDR", "MASTER_PORT"
 #: where JAX's coordinator binds (jax.distributed.initialize reads it when given no bind address)
 JAX_BIND = "JAX_COORDINATOR_BIND_ADDRESS"
+#: the GPUs a JAX process takes (jax.distributed.initialize reads it when given none)
+JAX_DEVICES = "JAX_LOCAL_DEVICE_IDS"
 
 #: ports held for the life of this process (a listener of the program binds them meanwhile)
 _held: List[socket.socket] = []
@@ -257,6 +260,29 @@ def without_own(environ: Mapping[str, str]) -> Dict[str, str]:
     environment for the ranks of a job this process starts, which get their own."""
     return {name: value for name, value in environ.items()
             if _exported.get(name, None) != value}
+
+
+def export_jax_device(environ: MutableMapping[str, str] = os.environ) -> Optional[str]:
+    """``JAX_LOCAL_DEVICE_IDS`` = the GPU pinned to this JAX rank, after pinning; returns it.
+
+    A JAX rank sees every GPU of its host (mgpu_launch.config.devices): without this, the
+    ``jax.distributed.initialize()`` of a keras.distribution script would give every process
+    all of them. JAX reads the variable when it is passed no ``local_device_ids`` (mgpu's own
+    engine passes them). Set only where pinning left the GPUs visible and gave the rank one
+    (``MGPU_LOCAL_DEVICE``), and not over a value already there. Not run on GPUs yet.
+
+    Example:
+        >>> export_jax_device({"MGPU_LOCAL_DEVICE": "1", "MGPU_GPU": "1",
+        ...                    "CUDA_VISIBLE_DEVICES": "0,1"})
+        '1'
+    """
+    device = environ.get("MGPU_LOCAL_DEVICE")
+    narrowed = environ.get("CUDA_VISIBLE_DEVICES") == environ.get("MGPU_GPU")
+    if device is None or narrowed or JAX_DEVICES in environ:
+        return None
+    environ[JAX_DEVICES] = device
+    _exported[JAX_DEVICES] = device
+    return device
 
 
 def hint_for(error: BaseException, environ: Mapping[str, str] = os.environ) -> Optional[str]:

@@ -88,6 +88,7 @@ def run(kind: str, target: str, args: Sequence[str], pin: bool = True,
         signal.signal(RESIZE_SIGNAL, lambda *_: _resize_requested.append(True))
     if pin:
         devices.pin_gpu(placement.local_rank, placement.local_size, os.environ)
+        foreign.export_jax_device()  # a keras.distribution script's JAX takes that GPU only
     try:
         run_target(kind, target, args)
         status, reason = 0, ""

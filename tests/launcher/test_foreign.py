@@ -138,3 +138,21 @@ def test_a_job_started_from_a_rank_does_not_inherit_that_ranks_variables(tmp_pat
     env = api.build_job(cli.parse_args(["-np", "2", str(script)]))[2]
     assert "MASTER_ADDR" not in env and "KERAS_DISTRIBUTION_JOB_ADDRESSES" not in env
     assert env["RANK"] == "5"
+
+
+@pytest.mark.parametrize("backend, visible, expected", [
+    ("jax", "0,1", "1"),  # JAX sees both GPUs: the rank's own is named for jax.distributed
+    ("torch", "0,1", None),  # torch sees only its GPU (CUDA_VISIBLE_DEVICES=1)
+    ("jax", None, None),  # no GPU: nothing pinned
+])
+def test_a_jax_rank_takes_only_its_pinned_gpu(backend, visible, expected):
+    from mgpu_launch.config import devices
+
+    environ = {"KERAS_BACKEND": backend}
+    if visible is not None:
+        environ["CUDA_VISIBLE_DEVICES"] = visible
+    else:
+        environ["CUDA_VISIBLE_DEVICES"] = ""
+    devices.pin_gpu(1, 2, environ)
+    foreign.export_jax_device(environ)
+    assert environ.get("JAX_LOCAL_DEVICE_IDS") == expected
