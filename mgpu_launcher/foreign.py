@@ -27,9 +27,9 @@ program starts (:func:`coordinator`):
    CPU box under load: ``MPI_Init`` ~1.1 s a process, the exchange ~10 ms; an mgpu script pays
    the ``MPI_Init`` anyway.
 4. MPI does not span the job (``srun`` without ``--mpi=pmix``): rank 0 warns, and neither the
-   coordinator nor the ``KERAS_DISTRIBUTION_*`` variables are exported (JAX's own Slurm detection
-   then finds the coordinator; a torchrun-style script fails at once on the missing
-   ``MASTER_ADDR``).
+   coordinator nor the ``KERAS_DISTRIBUTION_*`` variables are exported (Keras then leaves it to
+   JAX's own cluster detection, untested here; a torchrun-style script fails at once on the
+   missing ``MASTER_ADDR``).
 
 JAX's coordinator binds the address it is dialled at (``JAX_COORDINATOR_BIND_ADDRESS``, also
 exported; ``MGPU_BIND_ADDRESS`` chooses another host), not every interface as JAX's default
@@ -42,9 +42,10 @@ its store holds ``MASTER_PORT``); the three ``KERAS_DISTRIBUTION_*`` variables w
 either is set (a batch script's own choice).
 
 GPUs: a JAX rank sees every GPU of its host, so it also gets ``JAX_LOCAL_DEVICE_IDS``, its
-pinned GPU (:func:`export_jax_device`). ``LOCAL_RANK`` is the process's rank on its host, as torchrun sets it. With pinning
-(the default) the process sees its one GPU as ``cuda:0``; a script that picks
-``cuda:LOCAL_RANK`` needs ``mgpu-train --no-pin`` (every GPU visible, as under torchrun).
+pinned GPU (:func:`export_jax_device`). ``LOCAL_RANK`` is the process's rank on its host, as
+torchrun sets it. With pinning (the default) a torch rank sees its one GPU as ``cuda:0``; a
+script that picks ``cuda:LOCAL_RANK`` needs ``mgpu-train --no-pin`` (every GPU visible, as
+under torchrun).
 docs/starting-processes.md says which launcher runs which kind of script.
 """
 
@@ -128,15 +129,20 @@ def _agree_over_mpi(placement: environments.Placement
                           f"COMM_WORLD has {world.Get_size()}")
     own = socket.gethostname()
     names = world.allgather(own)
-    address = None
+    address = problem = None
     if placement.rank == 0:
-        if len(set(names)) == 1:
-            host = "127.0.0.1"
-        else:
-            from mgpu_launch.runtime.rendezvous import host_address
-            host = host_address(sorted(set(names) - {own}))
-        address = f"{host}:{_hold_port()}"
-    address = world.bcast(address, root=0)
+        try:
+            if len(set(names)) == 1:
+                host = "127.0.0.1"
+            else:
+                from mgpu_launch.runtime.rendezvous import host_address
+                host = host_address(sorted(set(names) - {own}))
+            address = f"{host}:{_hold_port()}"
+        except OSError as error:  # said on every rank: none waits for an address never sent
+            problem = f"rank 0 found no free port ({error})"
+    address, problem = world.bcast((address, problem), root=0)
+    if problem:
+        raise NoAgreement(problem)
     hosts = list(dict.fromkeys(names))  # in rank order: host 0 holds rank 0
     return address, names, hosts.index(own), len(hosts)
 
