@@ -282,11 +282,11 @@ def export_jax_device(environ: MutableMapping[str, str] = os.environ) -> Optiona
         ...                    "CUDA_VISIBLE_DEVICES": "0,1"})
         '1'
     """
-    device = environ.get("MGPU_LOCAL_DEVICE")
-    narrowed = environ.get("CUDA_VISIBLE_DEVICES") == environ.get("MGPU_GPU")
+    device = settings.integer("MGPU_LOCAL_DEVICE", environ)
+    narrowed = environ.get("CUDA_VISIBLE_DEVICES") == settings.text("MGPU_GPU", environ)
     if device is None or narrowed or JAX_DEVICES in environ:
         return None
-    environ[JAX_DEVICES] = device
+    device = environ[JAX_DEVICES] = str(device)
     _exported[JAX_DEVICES] = device
     return device
 
@@ -310,7 +310,7 @@ def hint_for(error: BaseException, environ: Mapping[str, str] = os.environ) -> O
                 f"{KERAS_ADDRESSES} for {size}: call keras.distribution.initialize() without "
                 f"num_processes (it reads the job's), or start as many processes as the script "
                 f"asks for (-np)")
-    gpu = environ.get("MGPU_GPU")
+    gpu = settings.text("MGPU_GPU", environ)
     if "invalid device ordinal" in text and gpu is not None and \
             environ.get("CUDA_VISIBLE_DEVICES") == gpu:
         return (f"mgpu-train pinned GPU {gpu} to this process as its only GPU, cuda:0 "

@@ -335,6 +335,9 @@ SETTINGS: Dict[str, Setting] = _declare(
       example="0", shown_default="2"),
     _("MGPU_TEST_LAUNCH_ARGS", "text", None, TOOLING,
       "tests: mgpu-train options for every test job", example="--no-pin"),
+    _("MGPU_KERAS_MASTER", "text", None, TOOLING,
+      "tests/test_foreign_scripts.py: a copy of Keras master's source (its torch DataParallel); "
+      "unset: that test is skipped", example="/tmp/kmaster", shown_default="unset (skipped)"),
     _("MGPU_TEST_LEAN_RANKS", "flag", True, TOOLING,
       "tests: ranks skip matplotlib, IPython, (off JAX) jax, and scikit-learn for Keras's "
       "wrappers (tests/lean_ranks)"),
