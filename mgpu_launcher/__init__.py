@@ -19,6 +19,8 @@ Modules:
     merge         rank output: the same stderr line from several ranks shown once
     usage         the checks of the command line (UsageError, exit status 2)
     worker        running the user's program in-process as one rank
+    foreign       Keras's and torchrun's variables for scripts written for them: the
+                  coordinator agreed before the program runs (docs/starting-processes.md)
     envreport     ``mgpu-train --env``
     settings      every MGPU_* variable (declared in _settings_table): checked readers, the
                   start-up check, ``--env``'s listing, docs/settings.md
@@ -39,6 +41,20 @@ In standalone mode also:
     MGPU_MARKER_KEY                  a random key of this job: the lines a rank prints for
                                      mgpu-train (mgpu_launch.config.markers) carry it, so a
                                      rank's own text is never taken for one
+
+For scripts written for other launchers (mgpu_launcher.foreign; not when torchrun started the
+ranks, and not over values a user set):
+
+    KERAS_DISTRIBUTION_JOB_ADDRESSES  one HOST:PORT per process, the coordinator (rank 0's
+                                     host, a free port) first: keras.distribution.initialize()
+    KERAS_DISTRIBUTION_NUM_PROCESSES, KERAS_DISTRIBUTION_PROCESS_ID  = size, rank
+    WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE  torchrun's names for size, rank, local ones
+    GROUP_RANK, GROUP_WORLD_SIZE     this host's index and the number of hosts (when known)
+    MASTER_ADDR, MASTER_PORT         the coordinator again, for init_process_group's env://
+    JAX_COORDINATOR_BIND_ADDRESS     where JAX's coordinator binds: its own address, not [::]
+    JAX_LOCAL_DEVICE_IDS             (JAX ranks with GPUs) = MGPU_LOCAL_DEVICE, its one GPU
+    MGPU_COORDINATOR                 (standalone, one host) 127.0.0.1:PORT, a port mgpu-train
+                                     holds while it runs; elsewhere the ranks agree over MPI
 
 In standalone mode with restarts (``mgpu-train -np N --max-restarts M``, M > 0) also:
 

@@ -20,7 +20,8 @@ import shlex
 import sys
 from typing import List, Optional, Tuple
 
-from mgpu_launcher import elastic, hostfiles, hostlists, mpirun, restarts, supervisor, worker
+from mgpu_launcher import (elastic, foreign, hostfiles, hostlists, mpirun, restarts, supervisor,
+                           worker)
 from mgpu_launch.config import markers, settings
 from mgpu_launcher.usage import PROG
 
@@ -70,7 +71,7 @@ def worker_command(config: Config) -> List[str]:
 
 def job_environment(config: Config) -> Tuple[dict, List[str]]:
     """The environment mpirun starts with, and the variable names it must forward."""
-    env = dict(os.environ)
+    env = foreign.without_own(os.environ)  # a rank starting a job: not its own RANK, ...
     # a new key per job: the ranks' marker lines carry it, so the launcher never takes a rank's
     # own text for one (mgpu_launch.config.markers.line, mgpu_launcher.relay)
     env[markers.KEY_VARIABLE] = secrets.token_hex(8)
@@ -99,6 +100,10 @@ def build_job(config: Config) -> Tuple[List[str], mpirun.Flavour, dict]:
     if mpirun.one_host(config.hosts, config.hostfile, config.mpirun_args, env):
         for name, value in flavour.one_host_env:  # the user's own setting wins
             env.setdefault(name, value)
+        # Keras's and torchrun's coordinator: a port held here, so no rank needs MPI to agree
+        if not settings.is_set(foreign.COORDINATOR_VARIABLE, env):
+            env[foreign.COORDINATOR_VARIABLE] = foreign.launcher_coordinator()
+            names = sorted(set(names) | {foreign.COORDINATOR_VARIABLE})
     local = not (config.hosts or config.hostfile)
     command = mpirun.build_command(
         path, flavour, config.np, worker_command(config), hosts=config.hosts,

@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 
 from mgpu_launch import backends
 from mgpu_launch.config import devices, environments, markers, settings
+from mgpu_launcher import foreign
 from mgpu_launch.config.markers import (ELASTIC_VARIABLE, FAILURE_MARKER, RESIZE_SIGNAL,  # noqa: F401
                                          _resize_requested, abort_job, describe_exception)
 
@@ -90,11 +91,13 @@ def run(kind: str, target: str, args: Sequence[str], pin: bool = True,
         settings.warn_unknown(emit=lambda text: print(f"mgpu-train: warning: {text}",
                                                       file=sys.stderr, flush=True))
     export_placement(placement)
+    foreign.export(placement)  # Keras's and torchrun's variables (over MPI where it must)
     if settings.flag(ELASTIC_VARIABLE):  # noted, acted on by BackupAndRestore
         signal.signal(RESIZE_SIGNAL, lambda *_: _resize_requested.append(True))
     if pin:
         devices.pin_gpu(placement.local_rank, placement.local_size, os.environ,
                         by_visible_devices=pins_by_visible_devices(os.environ))
+        foreign.export_jax_device()  # a keras.distribution script's JAX takes that GPU only
     try:
         run_target(kind, target, args)
         status, reason = 0, ""
@@ -105,6 +108,9 @@ def run(kind: str, target: str, args: Sequence[str], pin: bool = True,
         # With mgpu.init() done, this hook is the runtime's: it prints and aborts the job itself.
         error = error.with_traceback(_user_frames(error.__traceback__))
         sys.excepthook(type(error), error, error.__traceback__)
+        hint = foreign.hint_for(error)
+        if hint:
+            print(f"mgpu-train: hint: {hint}", file=sys.stderr, flush=True)
         status = 130 if isinstance(error, KeyboardInterrupt) else 1
         reason = describe_exception(error, status)
     if status != 0 and placement.size > 1:

@@ -133,3 +133,19 @@ def test_ctrl_c_on_the_launcher_cleans_both_nodes(cluster, tmp_path):
     assert proc.returncode == 128 + signal.SIGINT, err
     assert "got SIGINT, stopping every rank" in err
     assert not cluster.wait_until_empty(15), "processes left behind"
+
+
+def test_the_ddp_tutorial_on_two_nodes_agrees_on_node1s_address(cluster, tmp_path):
+    """A torchrun-style script across hosts (docs/starting-processes.md): the ranks agree on the
+    coordinator over MPI before it runs, rank 0's address as node2 dials it (not node1's
+    127.0.1.1), and each node's index in GROUP_RANK."""
+    ddp = os.path.join(SCRIPTS, "ddp_torchrun.py")
+    result = cluster.mgpu_train(*HOSTS, ddp, str(tmp_path), "2", "1", timeout=600)
+    assert result.returncode == 0, explain(result)
+    reports = _reports(tmp_path, 4)
+    masters = {(report["env"]["MASTER_ADDR"], report["env"]["MASTER_PORT"]) for report in reports}
+    assert len(masters) == 1 and not next(iter(masters))[0].startswith("127."), masters
+    for rank, report in enumerate(reports):
+        assert report["env"]["GROUP_RANK"] == str(rank // 2), report["env"]
+        assert report["env"]["LOCAL_RANK"] == str(rank % 2) and report["size"] == 4
+        assert report["weights"] == reports[0]["weights"]  # DDP across the nodes

@@ -93,3 +93,21 @@ def test_the_readmes_examples_table_lists_every_example():
                                f"that examples/ lacks")
     named = set(re.findall(r"examples/[A-Za-z0-9_./-]*[A-Za-z0-9_/]", readme))
     assert named and all((ROOT / path).exists() for path in named), named
+
+
+# A test named in a page as tests/<file>.py::test_name (docs/starting-processes.md's table).
+NAMED_TEST = re.compile(r"(tests/[\w/]+\.py)::(test_\w+)")
+
+
+def test_every_test_the_docs_name_exists():
+    """A cell that says "works" names the test that shows it: a renamed or deleted test breaks
+    this, not the reader's trust in the table."""
+    missing = []
+    for page in PAGES:
+        for path, name in NAMED_TEST.findall(page.read_text(encoding="utf-8")):
+            source = ROOT / path
+            if not source.exists() or not re.search(rf"^def {name}\(",
+                                                    source.read_text(encoding="utf-8"), re.M):
+                missing.append(f"{page.relative_to(ROOT)}: {path}::{name}")
+    assert not missing, "the docs name tests that do not exist:\n  " + "\n  ".join(missing)
+    assert len(NAMED_TEST.findall((ROOT / "docs" / "starting-processes.md").read_text())) >= 10

@@ -258,6 +258,11 @@ SETTINGS: Dict[str, Setting] = _declare(
     _("MGPU_PROFILE_SKIP_ALLREDUCE", "flag", False, RANKS,
       "JAX and TensorFlow, profiling only: skip the gradient allreduce (the gradients are "
       "then wrong)"),
+    _("MGPU_COORDINATOR", "address", None, RANKS,
+      "rank 0's address for scripts that start their own communication: the first of "
+      "`KERAS_DISTRIBUTION_JOB_ADDRESSES`, and `MASTER_ADDR`:`MASTER_PORT` "
+      "(docs/starting-processes.md); mgpu-train -np N sets it on one host",
+      example="10.0.0.1:29500", shown_default="rank 0's host, a free port (agreed over MPI)"),
     _("MGPU_JAX_COORDINATOR", "address", None, RANKS,
       "JAX: the coordinator's address (rank 0's host)", **_HOST_PORT),
     _("MGPU_JAX_INIT_TIMEOUT", "seconds", 60.0, RANKS,
@@ -334,6 +339,9 @@ SETTINGS: Dict[str, Setting] = _declare(
       example="0", shown_default="2"),
     _("MGPU_TEST_LAUNCH_ARGS", "text", None, TOOLING,
       "tests: mgpu-train options for every test job", example="--no-pin"),
+    _("MGPU_KERAS_MASTER", "text", None, TOOLING,
+      "tests/test_foreign_scripts.py: a copy of Keras master's source (its torch DataParallel); "
+      "unset: that test is skipped", example="/tmp/kmaster", shown_default="unset (skipped)"),
     _("MGPU_TEST_LEAN_RANKS", "flag", True, TOOLING,
       "tests: ranks skip matplotlib, IPython, (off JAX) jax, and scikit-learn for Keras's "
       "wrappers (tests/lean_ranks)"),
