@@ -17,6 +17,11 @@ Environment (set by the tests or by hand on a GPU machine):
     EXACTNESS_FP32=1          full float32 and deterministic kernels on GPUs (exact_math.py)
     EXACTNESS_STATIC_ONLY=1   TensorFlow: fail if a sparse gradient takes the dynamic gather
                               (the test that the XLA-compatible path is the one that ran)
+    EXACTNESS_SHARD=1         every rank also trains each case with shard_optimizer_state=True
+                              and writes ``<case>.sharded.rank<r>.npz`` (issue 60)
+
+Every rank's npz also holds ``state_bytes``: the bytes of optimizer state that rank held
+(``mgpu_launch.training.sharding.state_bytes``).
 """
 
 import json
@@ -27,6 +32,7 @@ import zlib
 import numpy as np
 
 import mgpu_launch as mgpu
+from mgpu_launch.training import sharding
 
 mgpu.init()
 import keras  # noqa: E402 - after init, as the README asks
@@ -121,6 +127,8 @@ CASES = {
                  optimizer=lambda **kw: keras.optimizers.Adam(0.01, **kw)),
     "adamw": dict(model=mlp, inputs="dense",
                   optimizer=lambda **kw: keras.optimizers.AdamW(0.01, weight_decay=0.1, **kw)),
+    "rmsprop": dict(model=mlp, inputs="dense",
+                    optimizer=lambda **kw: keras.optimizers.RMSprop(0.01, momentum=0.5, **kw)),
     # Both clip (gradient norms here are 0.3 - 1): on the averaged gradient, as 1 process does.
     "clipnorm": dict(model=mlp, inputs="dense", optimizer=lambda **kw: keras.optimizers.SGD(
         0.1, momentum=0.9, clipnorm=0.05, **kw)),
@@ -191,9 +199,10 @@ def initial_weights(model, rng):
 
 # -- one case ---------------------------------------------------------------------------------
 def train(name, spec, mode, out_path):
-    """mode: "distributed" (this rank's part, DistributedOptimizer), "reference" (the global
-    batch, plain optimizer) or "accumulated" (plain optimizer accumulating over size() passes,
-    each pass one rank's part, in rank order)."""
+    """mode: "distributed" (this rank's part, DistributedOptimizer), "sharded" (the same with
+    shard_optimizer_state=True), "reference" (the global batch, plain optimizer) or
+    "accumulated" (plain optimizer accumulating over size() passes, each pass one rank's part,
+    in rank order)."""
     rank, size = mgpu.rank(), mgpu.size()
     passes = spec.get("passes", 1)
     keras.mixed_precision.set_global_policy(spec.get("policy", "float32"))
@@ -207,19 +216,22 @@ def train(name, spec, mode, out_path):
             x = inputs(spec["inputs"], STEPS * GLOBAL_BATCH, rng)
             x = x.astype(spec["ids"]) if "ids" in spec else x
             y = rng.integers(0, 3, size=len(x))
-        model = spec["model"](**({"synchronized": mode == "distributed"}
+        model = spec["model"](**({"synchronized": mode in ("distributed", "sharded")}
                                  if spec.get("synchronized") else {}))
         model.set_weights(initial_weights(model, rng))
         # The DistributedOptimizer accumulates itself; the references use Keras's own.
-        steps = {"distributed": 1, "reference": passes, "accumulated": passes * size}[mode]
+        steps = {"distributed": 1, "sharded": 1, "reference": passes,
+                 "accumulated": passes * size}[mode]
         optimizer = spec["optimizer"](**(
             {"gradient_accumulation_steps": steps} if steps > 1 else {}))
         if spec.get("loss_scale"):
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         batch = per_pass if mode == "reference" else per_pass // size
-        way = spec.get("feed", "split") if mode == "distributed" else "split"
-        if mode == "distributed":
-            optimizer = mgpu.DistributedOptimizer(optimizer, backward_passes_per_step=passes)
+        distributed = mode in ("distributed", "sharded")
+        way = spec.get("feed", "split") if distributed else "split"
+        if distributed:
+            optimizer = mgpu.DistributedOptimizer(optimizer, backward_passes_per_step=passes,
+                                                  shard_optimizer_state=mode == "sharded")
             if way != "shard":  # mgpu.data.shard takes every sample and splits them itself
                 # Rank r's part of each pass's global batch: the samples 1 process x per_pass
                 # sees.
@@ -234,7 +246,8 @@ def train(name, spec, mode, out_path):
                   verbose=0)
         np.savez(out_path, *model.get_weights(),
                  iterations=keras.ops.convert_to_numpy(optimizer.iterations),
-                 learning_rate=keras.ops.convert_to_numpy(optimizer.learning_rate))
+                 learning_rate=keras.ops.convert_to_numpy(optimizer.learning_rate),
+                 state_bytes=sharding.state_bytes(optimizer))
     finally:
         keras.mixed_precision.set_global_policy("float32")
 
@@ -263,7 +276,8 @@ def raw_tf_variable(distributed, out_path):
     for _ in range(STEPS):
         optimizer.apply_gradients([(tf.constant(gradient), variable)])
     np.savez(out_path, variable.numpy(), iterations=optimizer.iterations.numpy(),
-             learning_rate=keras.ops.convert_to_numpy(optimizer.learning_rate))
+             learning_rate=keras.ops.convert_to_numpy(optimizer.learning_rate),
+             state_bytes=sharding.state_bytes(optimizer))
 
 
 def main():
@@ -272,10 +286,13 @@ def main():
     for index, name in enumerate(names):
         spec = CASES.get(name, {})
         modes = ["distributed"]
+        if os.environ.get("EXACTNESS_SHARD") == "1" and name != "raw_tf_variable":
+            modes.append("sharded")  # one tf.Variable: fewer variables than ranks
         if index % size == rank:  # this rank's share of the single-process references
             modes += ["reference"] + (["accumulated"] if spec.get("ranks_as_passes") else [])
         for mode in modes:
-            suffix = f"rank{rank}" if mode == "distributed" else mode
+            suffix = {"distributed": f"rank{rank}", "sharded": f"sharded.rank{rank}"}.get(mode,
+                                                                                     mode)
             out = os.path.join(out_dir, f"{name}.{suffix}")
             if name == "raw_tf_variable":
                 raw_tf_variable(mode == "distributed", out)
