@@ -1,0 +1,157 @@
+"""The optimizer state sharded across ranks (issue 60): who owns what, what is refused, a
+custom loop and fit's callbacks on a sharded optimizer, its refused save.
+
+The exactness of the sharded update against the unsharded one (the matrix's optimizers,
+clipping, accumulation, mixed precision, np=2 and 4) and the bytes each rank holds are in
+tests/test_exactness_matrix.py (``test_sharded_state_*``).
+"""
+
+import os
+import random
+
+import numpy as np
+import pytest
+
+from conftest import BACKEND, SCRIPTS, launch_ok, requires_mpirun
+from mgpu_launch.training import sharding
+
+
+# -- ownership: pure arithmetic ------------------------------------------------------------------
+def test_largest_first_onto_the_least_loaded_rank():
+    assert sharding.assign_owners([10, 3, 3, 4], 2) == [0, 1, 1, 1]
+    assert sharding.assign_owners([5, 5, 5, 5], 4) == [0, 1, 2, 3]
+    assert sharding.assign_owners([1, 2, 3], 1) == [0, 0, 0]
+
+
+def test_every_rank_owns_one_and_none_holds_more_than_its_share_plus_the_largest():
+    rng = random.Random(7)
+    for _ in range(200):
+        ranks = rng.randint(1, 8)
+        sizes = [rng.choice([1, 8, 64, 4096, 10 ** 6]) for _ in range(rng.randint(ranks, 40))]
+        owners = sharding.assign_owners(sizes, ranks)
+        assert owners == sharding.assign_owners(list(sizes), ranks)  # the same on every rank
+        loads = [sum(s for s, o in zip(sizes, owners) if o == r) for r in range(ranks)]
+        assert set(owners) == set(range(ranks)), (sizes, owners)
+        assert max(loads) <= sum(sizes) / ranks + max(sizes), (sizes, loads)
+
+
+def test_a_variable_larger_than_a_share_fills_one_rank_alone():
+    # The documented limit of per-variable ownership (an embedding of 90% of the model).
+    owners = sharding.assign_owners([900, 30, 30, 40], 4)
+    assert owners[0] not in owners[1:]
+
+
+def test_ranks_of_nothing_are_refused():
+    with pytest.raises(ValueError, match="ranks=0"):
+        sharding.assign_owners([1], 0)
+
+
+# -- what is refused at construction (the same on every rank: no collective) ---------------------
+@pytest.mark.backend
+@pytest.mark.usefixtures("backend")
+@pytest.mark.parametrize("name", sharding.SHARDABLE)
+def test_kerass_per_variable_optimizers_are_accepted(name):
+    import keras
+
+    import mgpu_launch as mgpu
+
+    inner = getattr(keras.optimizers, name)(learning_rate=0.01)
+    optimizer = mgpu.DistributedOptimizer(inner, shard_optimizer_state=True)
+    assert optimizer.shard_optimizer_state and optimizer.options.shard_optimizer_state
+    config = optimizer.get_config()
+    assert config["shard_optimizer_state"] is True
+    again = mgpu.DistributedOptimizer.from_config(config)
+    assert again.shard_optimizer_state
+
+
+def _refusals():
+    import keras
+
+    class CustomAdam(keras.optimizers.Adam):
+        def update_step(self, gradient, variable, learning_rate):
+            super().update_step(gradient, variable, learning_rate)
+
+    return {
+        "custom subclass": (CustomAdam(0.01), "not one of Keras's per-variable optimizers"),
+        "schedule-free": (keras.optimizers.ScheduleFreeAdamW(0.01), "ScheduleFreeAdamW"),
+        "ema": (keras.optimizers.Adam(0.01, use_ema=True), "use_ema=True"),
+        "global clipping under a loss scaler": (
+            keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1, global_clipnorm=1.0)),
+            "global_clipnorm=1.0 and a LossScaleOptimizer"),
+        "global clipping after Keras's accumulation": (
+            keras.optimizers.SGD(0.1, global_clipnorm=1.0, gradient_accumulation_steps=2),
+            "gradient_accumulation_steps"),
+    }
+
+
+@pytest.mark.backend
+@pytest.mark.usefixtures("backend")
+@pytest.mark.parametrize("case", ["custom subclass", "schedule-free", "ema",
+                                  "global clipping under a loss scaler",
+                                  "global clipping after Keras's accumulation"])
+def test_an_optimizer_that_cannot_be_sharded_is_refused_with_the_reason(case):
+    import mgpu_launch as mgpu
+
+    inner, reason = _refusals()[case]
+    with pytest.raises(ValueError, match="shard_optimizer_state=True") as error:
+        mgpu.DistributedOptimizer(inner, shard_optimizer_state=True)
+    assert reason in str(error.value)
+    mgpu.DistributedOptimizer(inner)  # unsharded, the same optimizer is fine
+
+
+@pytest.mark.backend
+@pytest.mark.usefixtures("backend")
+def test_horovods_keyword_reaches_the_optimizer():
+    import keras
+
+    import mgpu_launch.keras as hvd
+
+    optimizer = hvd.DistributedOptimizer(keras.optimizers.Adam(0.01), shard_optimizer_state=True)
+    assert optimizer.shard_optimizer_state
+    with pytest.raises(ValueError, match="use_ema"):
+        hvd.DistributedOptimizer(keras.optimizers.Adam(0.01, use_ema=True),
+                                 shard_optimizer_state=True)
+
+
+@pytest.mark.backend
+@pytest.mark.usefixtures("backend")
+def test_one_process_holds_the_whole_state_and_trains_as_keras():
+    import keras
+
+    import mgpu_launch as mgpu
+
+    def fit(optimizer):
+        keras.utils.set_random_seed(2)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        model.compile(optimizer=optimizer, loss="mse")
+        rng = np.random.default_rng(0)
+        model.fit(rng.normal(size=(16, 4)), rng.normal(size=(16, 3)), batch_size=4, verbose=0)
+        return model.get_weights()
+
+    ours = mgpu.DistributedOptimizer(keras.optimizers.Adam(0.01), shard_optimizer_state=True)
+    for a, b in zip(fit(ours), fit(keras.optimizers.Adam(0.01)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert not ours.holds_sharded_state()  # one rank owns everything: nothing is split
+    assert sharding.state_bytes(ours) == sum(
+        int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in ours.inner_optimizer.variables)
+
+
+# -- a job: a custom loop and fit, sharded, and the refused save --------------------------------
+@requires_mpirun
+@pytest.mark.backend
+@pytest.mark.job
+@pytest.mark.usefixtures("backend")
+def test_a_custom_loop_and_fit_on_a_sharded_optimizer(tmp_path):
+    launch_ok("-np", "2", os.path.join(SCRIPTS, "sharded_loop.py"), str(tmp_path), timeout=900,
+              KERAS_BACKEND=BACKEND, TF_CPP_MIN_LOG_LEVEL="2")
+    ranks = [dict(np.load(tmp_path / f"rank{r}.npz")) for r in range(2)]
+    keys = sorted(k for k in ranks[0] if k != "state_bytes")
+    for key in keys:  # every rank holds the same weights, bit for bit
+        np.testing.assert_array_equal(ranks[0][key], ranks[1][key], err_msg=key)
+    plain = sorted(k for k in keys if k.startswith("plain_"))
+    for key in plain:  # the custom loop: sharded equals unsharded (global_clipnorm, AdamW)
+        np.testing.assert_array_equal(ranks[0][key], ranks[0][key.replace("plain", "sharded")])
+    assert all(int(r["state_bytes"]) > 0 for r in ranks)
+    message = (tmp_path / "save_error.txt").read_text()
+    assert message.startswith("cannot save the optimizer state of a sharded optimizer"), message
+    assert "shard_optimizer_state=False" in message
