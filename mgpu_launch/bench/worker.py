@@ -3,9 +3,10 @@
     mgpu-train -np 2 -m mgpu_launch.bench.worker --result r.json --model resnet50 \\
         --precision float32 --data host,device --prefetch 2
 
-Builds the model once, compiles it with ``mgpu.DistributedOptimizer(SGD(momentum=0.9))`` and
-runs ``model.fit`` once per input mode and prefetch depth on synthetic data; rank 0 writes the
-per-rank rates to ``--result``. Lines with ``[mgpu-bench]`` are progress for the driver.
+Builds the model once, compiles it with ``mgpu.DistributedOptimizer(SGD(momentum=0.9))`` (once
+per ``--shard-optimizer-state`` value) and runs ``model.fit`` once per input mode and prefetch
+depth on synthetic data; rank 0 writes the per-rank rates, and the bytes of optimizer state
+each rank held, to ``--result``. Lines with ``[mgpu-bench]`` are progress for the driver.
 """
 
 import argparse
@@ -47,6 +48,9 @@ def get_parser(description: str = __doc__.split("\n\n")[0]) -> argparse.Argument
     parser.add_argument("--steps-per-execution", default="1",
                         help="comma-separated: one row per value (the model's "
                              "steps_per_execution, its train function rebuilt)")
+    parser.add_argument("--shard-optimizer-state", default="0",
+                        help="comma-separated 0/1: one set of rows each with the optimizer "
+                             "compiled unsharded / with shard_optimizer_state=True")
     parser.add_argument("--recorder", default="on",
                         help="comma-separated off/on, in order (off,on,off,on alternates): one "
                              "row each with the timeline recorder "
@@ -117,7 +121,7 @@ def main(argv=None) -> None:
     import keras
     import numpy as np
 
-    from mgpu_launch.training import efficiency, efficiency_report  # imports Keras
+    from mgpu_launch.training import efficiency, efficiency_report, sharding  # import Keras
 
     spec = MODELS[args.model]
     batch = args.batch_per_gpu or spec.batch_per_gpu
@@ -125,10 +129,12 @@ def main(argv=None) -> None:
     keras.config.set_image_data_format(args.data_format)  # before any layer is built
     started = time.monotonic()
     model = spec.build(keras, spec.shape(args.data_format))
-    model.compile(optimizer=mgpu.DistributedOptimizer(
-        keras.optimizers.SGD(mgpu.scale_lr(0.0125), momentum=0.9),
-        compression=getattr(mgpu.Compression, args.compression)),
-        loss="sparse_categorical_crossentropy")
+
+    def compile_model(shard: bool) -> None:
+        model.compile(optimizer=mgpu.DistributedOptimizer(
+            keras.optimizers.SGD(mgpu.scale_lr(0.0125), momentum=0.9),
+            compression=getattr(mgpu.Compression, args.compression),
+            shard_optimizer_state=shard), loss="sparse_categorical_crossentropy")
     shape = spec.shape(args.data_format)
     synthetic = synthetic_batches(np, spec, shape, batch, seed=mgpu.rank())
     host, host_uint8 = synthetic["host"], synthetic["host-uint8"]
@@ -192,6 +198,7 @@ def main(argv=None) -> None:
     rows = []
     step_timer = StepTimer(keras.backend.backend())
     graphs = args.cuda_graph.split(",") if keras.backend.backend() == "torch" else ["0"]
+    compiled_with = None  # the shard_optimizer_state the model is compiled with
     # Captured rows first: a step captured after eager steps of the same model can fail to
     # capture (ResNet-50, benchmarks/torch_speed/h200-2026-11-27/eager_then_capture_resnet.log).
     graphs.sort(key=lambda graph: graph != "1")
@@ -200,8 +207,13 @@ def main(argv=None) -> None:
     labels = [f"recorder {r}" + (f" #{recorders[:i + 1].count(r)}"
                                  if recorders.count(r) > 1 else "")
               for i, r in enumerate(recorders)] if len(recorders) > 1 else [""] * len(recorders)
-    for graph, executions in [(g, int(k)) for g in graphs
-                              for k in args.steps_per_execution.split(",")]:
+    for shard, graph, executions in [(h == "1", g, int(k))
+                                     for h in args.shard_optimizer_state.split(",")
+                                     for g in graphs
+                                     for k in args.steps_per_execution.split(",")]:
+        if shard is not compiled_with:
+            compile_model(shard)  # a fresh optimizer (the weights stay)
+            compiled_with = shard
         os.environ["MGPU_TORCH_CUDA_GRAPH"] = graph
         model.steps_per_execution = executions
         timing = timing_for(args, executions)
@@ -218,13 +230,14 @@ def main(argv=None) -> None:
                 if recorder == "off":
                     timeline.discard()  # an earlier on row started it
                 variant = ", ".join(filter(None, [
-                    label,
+                    label, "optimizer state sharded" if shard else "",
                     f"steps_per_execution {executions}" if executions > 1 else ""])) or None
                 name = f"data {mode}, prefetch {depth}, cuda graph {graph}" + (
                     f", {variant}" if variant else "")
                 progress(f"{name}: fit")
                 mine, text = rate(mode, timing, recorder == "on")
                 per_rank = mgpu.allgather_object(mine)
+                state_bytes = mgpu.allgather_object(sharding.state_bytes(model.optimizer))
                 host_ms, device_ms = step_timer.medians()
                 rows.append({"model": args.model, "data": mode, "prefetch": depth,
                              "compression": args.compression, "variant": variant,
@@ -234,6 +247,8 @@ def main(argv=None) -> None:
                              "img_per_sec": round(sum(per_rank), 1),
                              "per_rank_img_per_sec": [round(r, 1) for r in per_rank],
                              "cuda_graph": graph == "1",
+                             "shard_optimizer_state": shard,
+                             "optimizer_state_bytes": state_bytes,
                              "cuda_graph_steps": dict(getattr(graphed, "counts", {})),
                              "cuda_graph_fallback": getattr(graphed, "fallback", None),
                              "step_ms": round(1000 * batch * len(per_rank) / sum(per_rank), 2),

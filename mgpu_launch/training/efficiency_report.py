@@ -22,6 +22,7 @@ import numpy as np
 
 from mgpu_launch import backends, runtime
 from mgpu_launch.runtime import collectives, timeline
+from mgpu_launch.training import sharding
 from mgpu_launch.training.efficiency import TIMED_STEPS, analyse, render
 from mgpu_launch.training.optimizer_options import DistributedOptions
 from mgpu_launch.config import settings
@@ -131,6 +132,15 @@ def time_communication(model, own: List[tuple]) -> Optional[Dict[str, Any]]:
             "compression": optimizer.compression.name, "hint": engine.reduction_advice()}
 
 
+def optimizer_state(model) -> Optional[tuple]:
+    """(bytes of optimizer state this rank holds, whether it is sharded), or None without a
+    DistributedOptimizer."""
+    optimizer = _distributed_optimizer(model)
+    if optimizer is None:
+        return None
+    return sharding.state_bytes(optimizer), optimizer.holds_sharded_state()
+
+
 def combined(outcomes: List[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
     """One figure from every rank's :func:`time_communication`: the median of the ranks'
     times, or the first rank's note when any rank has one."""
@@ -163,14 +173,17 @@ class EfficiencyReport(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         state = runtime.state
         own = timeline.since(self.bookmark)
-        mine = (own, time_communication(self.model, own))
+        mine = (own, time_communication(self.model, own), optimizer_state(self.model))
         ranks = state.comm.gather(mine, root=0) if state.comm is not None else [mine]
         if state.rank != 0:
             return
-        self.figures = analyse([slices for slices, _ in ranks], self.batch_size,
-                               combined([timed for _, timed in ranks]))
+        self.figures = analyse([slices for slices, _, _ in ranks], self.batch_size,
+                               combined([timed for _, timed, _ in ranks]))
         if self.figures is None:
             return
+        if ranks[0][2] is not None:  # issue 60: what sharding saves shows per rank
+            self.figures["optimizer_state"] = {"bytes_per_rank": [s[2][0] for s in ranks],
+                                               "sharded": ranks[0][2][1]}
         # the engine's word on a step that dominates
         self.figures["step_hint"] = backends.get_engine().step_advice(self.model)
         if self.params.get("verbose", 0):
