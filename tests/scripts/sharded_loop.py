@@ -8,8 +8,9 @@ Each rank trains the same small model twice from the same weights, in a custom l
 ``optimizer.apply``; JAX: ``train_on_batch``, the loop JAX can run), unsharded and sharded,
 then ``fit`` with ``BroadcastGlobalVariablesCallback`` on the sharded one; it writes
 ``OUT/rank<r>.npz`` (``plain_<i>``, ``sharded_<i>``: the weights after the loop; ``fit_<i>``:
-after fit; ``state_bytes``: the sharded optimizer's) and rank 0 tries ``model.save`` and writes
-the error it got to ``OUT/save_error.txt``.
+after fit; ``state_bytes``: the sharded optimizer's; ``backup_refusal``: what fit with
+``BackupAndRestore`` raised) and rank 0 tries ``model.save`` and writes the error it got to
+``OUT/save_error.txt``.
 """
 
 import os
@@ -81,6 +82,12 @@ def main():
     model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
               callbacks=[mgpu.callbacks.BroadcastGlobalVariablesCallback(0)])
     results.update({f"fit_{i}": w for i, w in enumerate(model.get_weights())})
+    try:  # refused on every rank alike, before any step
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
+                  callbacks=[mgpu.callbacks.BackupAndRestore(os.path.join(OUT, "backups"))])
+        results["backup_refusal"] = np.array("backed up")
+    except NotImplementedError as error:
+        results["backup_refusal"] = np.array(str(error))
     np.savez(os.path.join(OUT, f"rank{mgpu.rank()}.npz"), **results)
     if mgpu.rank() == 0:
         try:

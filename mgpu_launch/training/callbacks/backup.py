@@ -15,10 +15,10 @@ import keras
 
 from mgpu_launch import backends, keras_internals, runtime
 from mgpu_launch.runtime import agreement, folders
-from mgpu_launch.training import epoch_resume, patches, resize
+from mgpu_launch.training import epoch_resume, patches, resize, sharding
 from mgpu_launch.training.callbacks.io import _is_chief, read_attributes, save_atomically
 from mgpu_launch.training.callbacks.schedule import correct_momentum, lr_target
-from mgpu_launch.training.callbacks.sync import model_state_variables
+from mgpu_launch.training.callbacks.sync import holds_sharded_state, model_state_variables
 
 # epoch-<epochs done>.weights.h5, or epoch-<epochs done>-batch-<batches done>.weights.h5
 _BACKUP = re.compile(r"^epoch-(\d+)(?:-batch-(\d+))?\.weights\.h5$")
@@ -253,6 +253,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         model = self.model
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)  # the slots the backup fills
+        if holds_sharded_state(model.optimizer):  # every rank alike, before any step
+            raise NotImplementedError("BackupAndRestore: " + sharding.saving_refusal("back up"))
         restored = self._restore_everywhere()
         self._batches_since_save = self._resumed_batches = 0
         if restored is None:

@@ -11,14 +11,15 @@ def model_state_variables(model):
     """Model weights and optimizer state, without seed-generator states (those stay per rank)."""
     variables = [v for v in model.variables if "seed_generator" not in v.path]
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and optimizer.built and not _sharded(optimizer):
+    if optimizer is not None and optimizer.built and not holds_sharded_state(optimizer):
         variables += [v for v in optimizer.variables if "seed_generator" not in v.path]
     return variables
 
 
-def _sharded(optimizer) -> bool:
-    """A sharded optimizer's state differs between ranks by design (fresh zeros at the start,
-    the same on every rank; sharding.refuse_saving keeps one rank from loading it)."""
+def holds_sharded_state(optimizer) -> bool:
+    """Whether `optimizer` is a DistributedOptimizer whose state is sharded: it differs between
+    ranks by design (fresh zeros at the start, alike on every rank; nothing loads it yet,
+    ``sharding.refuse_saving``), so it is not broadcast."""
     from mgpu_launch.training.optimizer import DistributedOptimizer  # same layer, built later
     return isinstance(optimizer, DistributedOptimizer) and optimizer.holds_sharded_state()
 
