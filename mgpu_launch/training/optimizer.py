@@ -15,7 +15,7 @@ from mgpu_launch.runtime import collectives, process_sets
 from mgpu_launch.runtime.collectives import ReduceOp
 from mgpu_launch.backends.compression import Compression, Compressor
 from mgpu_launch.training import patches
-from mgpu_launch.training import optimizer_sync, sharding
+from mgpu_launch.training import optimizer_sync, sharded_saving, sharding
 from mgpu_launch.training.optimizer_options import DistributedOptions
 from mgpu_launch.training.optimizer_step import (Accumulation, _MultipliedSchedule, apply_inner,
                                                  innermost)
@@ -68,7 +68,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             the variables on each rank, and share the updated weights after each update
             (ZeRO stage 1; same results as False). Keras's per-variable optimizers only;
             ``mgpu_launch.training.sharding`` says what is refused and why, and
-            docs/training-recipe.md when it pays. Saving its state is refused for now.
+            docs/training-recipe.md when it pays. Files hold the whole state, as plain
+            Keras writes it (``training/sharded_saving.py``; :meth:`gather_state`).
         name: the optimizer's name.
 
     The options are kept as one frozen value, ``options`` (a
@@ -135,6 +136,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._schedule: Optional[_MultipliedSchedule] = None
         #: with shard_optimizer_state in a multi-process job: who owns which state (at build)
         self._shards: Optional[sharding.ShardedState] = None
+        self._full_copy: Optional[sharded_saving.FullCopy] = None  # gathered or loaded
         scheduled = innermost(optimizer)  # under a LossScaleOptimizer: the optimizer it wraps
         rate = keras_internals.raw_learning_rate(scheduled)
         if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
@@ -312,16 +314,31 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         the LR callbacks set ``lr_multiplier`` again at every batch, and with
         ``backward_passes_per_step > 1`` a partly accumulated gradient is dropped.
         """
-        sharding.refuse_saving(self._shards, "save")
+        if self._shards is not None:  # the whole state, gathered by gather_state()
+            return sharded_saving.write(self._full_copy, self.inner_optimizer, store)
         self.inner_optimizer.save_own_variables(store)
 
     def holds_sharded_state(self) -> bool:
-        """Whether this rank holds the optimizer state of its own variables only (then the
-        ranks' optimizer variables differ in number and shape)."""
+        """Whether this rank holds the optimizer state of its own variables only."""
         return self._shards is not None
 
+    def gather_state(self) -> None:
+        """Collective (every rank): the whole sharded state to rank 0, for its next save
+        (``mgpu.callbacks.ModelCheckpoint`` and ``BackupAndRestore`` call it). Unsharded: no-op."""
+        if self._shards is not None:
+            self._full_copy = sharded_saving.gather(
+                self.inner_optimizer, self._serialized_inner(), self._shards.variables)
+
+    def scatter_state(self, root_rank: int = 0) -> None:
+        """Collective: every rank takes its part of the state `root_rank` loaded last."""
+        if self._shards is not None:
+            sharded_saving.scatter(self.inner_optimizer, self._full_copy, root_rank)
+
     def load_own_variables(self, store):
-        sharding.refuse_saving(self._shards, "load")
+        if self._shards is not None:  # a plain layout, of any run: this rank keeps its part
+            self._full_copy = sharded_saving.read(
+                self.inner_optimizer, self._serialized_inner(), self._shards.variables, store)
+            return
         inner = self.inner_optimizer
         keys, expected = len(store.keys()), len(inner.variables)
         if expected and keys == len(keras_internals.own_variables(self)) + expected:

@@ -59,8 +59,7 @@ from keras import ops
 
 from mgpu_launch import keras_internals
 
-__all__ = ["SHARDABLE", "assign_owners", "check_shardable", "ShardedState", "state_bytes",
-           "saving_refusal", "refuse_saving"]
+__all__ = ["SHARDABLE", "assign_owners", "check_shardable", "ShardedState", "state_bytes"]
 
 #: Keras's optimizers whose update of a variable reads that variable, its gradient and its own
 #: slots only (plus step-wide scalars: iterations, the rate), so they can be split by variable
@@ -248,27 +247,6 @@ class ShardedState:
                 for v, owner in zip(self.shared, self.owners)]
         for variable, value in zip(self.shared, engine.allreduce(sent, average=False)):
             variable.assign(value)
-
-
-def saving_refusal(what: str) -> str:
-    """Why the state of a sharded optimizer cannot be saved (`what`: "save", "load", ...)."""
-    return (f"cannot {what} the optimizer state of a sharded optimizer (shard_optimizer_state="
-            f"True) yet: each rank holds the state of its own variables only, and a file "
-            f"written or read by one rank would hold or restore a part of it. Keep the weights "
-            f"alone (e.g. on rank 0: numpy.savez(path, *model.get_weights())), or train with "
-            f"shard_optimizer_state=False to checkpoint or back up the optimizer state "
-            f"(issue 60).")
-
-
-def refuse_saving(shards: Optional[ShardedState], what: str) -> None:
-    """Raise when `shards` is set: this rank holds a part of the state, so a file written (or
-    read) from it alone would silently hold (or restore) a part only.
-
-    Raises:
-        NotImplementedError: the reason and what to do instead (:func:`saving_refusal`).
-    """
-    if shards is not None:
-        raise NotImplementedError(saving_refusal(what))
 
 
 @contextlib.contextmanager

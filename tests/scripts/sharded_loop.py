@@ -1,16 +1,23 @@
 """Test worker for tests/training/test_sharding.py (issue 60): a sharded optimizer in a custom
-training loop, beside ``fit``'s callbacks, and its refused save.
+training loop and under ``fit``, saved and loaded every way.
 
     mgpu-train -np N sharded_loop.py OUT
 
-Each rank trains the same small model twice from the same weights, in a custom loop
-(TensorFlow: GradientTape and ``optimizer.apply``; torch: ``loss.backward()`` and
-``optimizer.apply``; JAX: ``train_on_batch``, the loop JAX can run), unsharded and sharded,
-then ``fit`` with ``BroadcastGlobalVariablesCallback`` on the sharded one; it writes
-``OUT/rank<r>.npz`` (``plain_<i>``, ``sharded_<i>``: the weights after the loop; ``fit_<i>``:
-after fit; ``state_bytes``: the sharded optimizer's; ``backup_refusal``: what fit with
-``BackupAndRestore`` raised) and rank 0 tries ``model.save`` and writes the error it got to
-``OUT/save_error.txt``.
+Every rank:
+
+1. trains the same small model twice from the same weights in a custom loop (TensorFlow:
+   GradientTape and ``optimizer.apply``; torch: ``loss.backward()`` and ``optimizer.apply``;
+   JAX: ``train_on_batch``, the loop JAX runs), unsharded and sharded (``loop_plain_<i>``,
+   ``loop_sharded_<i>``);
+2. fits a model one epoch sharded (``BroadcastGlobalVariablesCallback``, ``BackupAndRestore``
+   into OUT/backups) and its twin unsharded; gathers the state, and rank 0 writes
+   OUT/sharded.keras, OUT/sharded.weights.h5, OUT/plain.weights.h5 and OUT/plain_state.npz
+   (the unsharded optimizer's variables, in order);
+3. trains one more epoch four ways, each from the state after 1.: the sharded model on
+   (``continued_<i>``); a fresh sharded model that loads OUT/sharded.weights.h5 on every rank
+   (``from_sharded_<i>``), one that loads OUT/plain.weights.h5 (``from_plain_<i>``: an
+   unsharded file re-sharded), and one that ``BackupAndRestore`` restores from rank 0's backup
+   (``restored_<i>``), and writes ``OUT/rank<r>.npz`` with all of them and ``state_bytes``.
 """
 
 import os
@@ -69,34 +76,58 @@ def custom_loop(shard: bool):
     return model, optimizer
 
 
-def main():
-    plain, _ = custom_loop(shard=False)
-    sharded, optimizer = custom_loop(shard=True)
-    assert optimizer.holds_sharded_state() == (mgpu.size() > 1)
-    results = {f"plain_{i}": w for i, w in enumerate(plain.get_weights())}
-    results.update({f"sharded_{i}": w for i, w in enumerate(sharded.get_weights())})
-    results["state_bytes"] = sharding.state_bytes(optimizer)
+def compiled(shard: bool, build: bool = False):
     model, x, y = model_and_data()
-    fitted = mgpu.DistributedOptimizer(keras.optimizers.Adam(0.01), shard_optimizer_state=True)
-    model.compile(optimizer=fitted, loss=LOSS)
-    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
-              callbacks=[mgpu.callbacks.BroadcastGlobalVariablesCallback(0)])
-    results.update({f"fit_{i}": w for i, w in enumerate(model.get_weights())})
-    try:  # refused on every rank alike, before any step
-        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0,
-                  callbacks=[mgpu.callbacks.BackupAndRestore(os.path.join(OUT, "backups"))])
-        results["backup_refusal"] = np.array("backed up")
-    except NotImplementedError as error:
-        results["backup_refusal"] = np.array(str(error))
-    np.savez(os.path.join(OUT, f"rank{mgpu.rank()}.npz"), **results)
+    model.compile(optimizer=mgpu.DistributedOptimizer(keras.optimizers.Adam(0.01),
+                                                      shard_optimizer_state=shard), loss=LOSS)
+    if build:  # the slots a loaded file fills (as BackupAndRestore builds them)
+        model.optimizer.build(model.trainable_variables)
+    return model, x, y
+
+
+def fit(model, x, y, epochs=1, callbacks=()):
+    model.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0,
+              callbacks=list(callbacks))
+    return model
+
+
+def main():
+    results = {}
+    for shard in (False, True):
+        model, optimizer = custom_loop(shard)
+        name = "sharded" if shard else "plain"
+        results.update({f"loop_{name}_{i}": w for i, w in enumerate(model.get_weights())})
+    assert optimizer.holds_sharded_state() == (mgpu.size() > 1)
+
+    backups = os.path.join(OUT, "backups")
+    sharded = fit(*compiled(True), callbacks=[
+        mgpu.callbacks.BroadcastGlobalVariablesCallback(0),
+        mgpu.callbacks.BackupAndRestore(backups, delete_checkpoint=False)])
+    plain = fit(*compiled(False))
+    results["state_bytes"] = sharding.state_bytes(sharded.optimizer)
+    sharded.optimizer.gather_state()  # every rank; then rank 0 saves the whole state
     if mgpu.rank() == 0:
-        try:
-            model.save(os.path.join(OUT, "model.keras"))
-            message = "saved"
-        except NotImplementedError as error:
-            message = str(error)
-        with open(os.path.join(OUT, "save_error.txt"), "w") as file:
-            file.write(message)
+        sharded.save(os.path.join(OUT, "sharded.keras"))
+        sharded.save_weights(os.path.join(OUT, "sharded.weights.h5"))
+        plain.save_weights(os.path.join(OUT, "plain.weights.h5"))
+        np.savez(os.path.join(OUT, "plain_state.npz"), *[
+            keras.ops.convert_to_numpy(v.value) for v in plain.optimizer.inner_optimizer.variables])
+    mgpu.barrier()
+
+    _, x, y = model_and_data()
+    runs = {"continued": sharded}
+    for source in ("sharded", "plain"):  # every rank loads the file, keeps its own part
+        model, _, _ = compiled(True, build=True)
+        model.load_weights(os.path.join(OUT, f"{source}.weights.h5"))
+        runs[f"from_{source}"] = model
+    for name, model in runs.items():
+        fit(model, x, y)
+    restored, _, _ = compiled(True)  # rank 0 reads the backup, every rank gets its part
+    runs["restored"] = fit(restored, x, y, epochs=2, callbacks=[
+        mgpu.callbacks.BackupAndRestore(backups, delete_checkpoint=False)])
+    for name, model in runs.items():
+        results.update({f"{name}_{i}": w for i, w in enumerate(model.get_weights())})
+    np.savez(os.path.join(OUT, f"rank{mgpu.rank()}.npz"), **results)
     mgpu.barrier()
 
 

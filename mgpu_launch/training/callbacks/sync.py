@@ -17,11 +17,23 @@ def model_state_variables(model):
 
 
 def holds_sharded_state(optimizer) -> bool:
-    """Whether `optimizer` is a DistributedOptimizer whose state is sharded: it differs between
-    ranks by design (fresh zeros at the start, alike on every rank; nothing loads it yet,
-    ``sharding.refuse_saving``), so it is not broadcast."""
+    """Whether `optimizer` is a DistributedOptimizer whose state is sharded: its variables
+    differ between ranks by design, so they are not broadcast; a loaded state reaches the
+    ranks through :func:`scatter_sharded_state` (``training/sharded_saving.py``)."""
     from mgpu_launch.training.optimizer import DistributedOptimizer  # same layer, built later
     return isinstance(optimizer, DistributedOptimizer) and optimizer.holds_sharded_state()
+
+
+def gather_sharded_state(model) -> None:
+    """Collective, before rank 0 saves `model`: a sharded optimizer's whole state to rank 0."""
+    if holds_sharded_state(getattr(model, "optimizer", None)):
+        model.optimizer.gather_state()
+
+
+def scatter_sharded_state(model, root_rank: int) -> None:
+    """Collective, after `root_rank` loaded `model`: each rank its part of a sharded state."""
+    if holds_sharded_state(getattr(model, "optimizer", None)):
+        model.optimizer.scatter_state(root_rank)
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
@@ -46,6 +58,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         if runtime.is_multi_process():
             backends.get_engine().broadcast_variables(model_state_variables(self.model),
                                                      self.root_rank)
+            scatter_sharded_state(self.model, self.root_rank)
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
