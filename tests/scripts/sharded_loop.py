@@ -2,6 +2,7 @@
 training loop and under ``fit``, saved and loaded every way.
 
     mgpu-train -np N sharded_loop.py OUT
+    mgpu-train -np M sharded_loop.py OUT reshard     # after a run of the first form
 
 Every rank:
 
@@ -18,6 +19,9 @@ Every rank:
    (``from_sharded_<i>``), one that loads OUT/plain.weights.h5 (``from_plain_<i>``: an
    unsharded file re-sharded), and one that ``BackupAndRestore`` restores from rank 0's backup
    (``restored_<i>``), and writes ``OUT/rank<r>.npz`` with all of them and ``state_bytes``.
+
+``reshard``: M ranks restore the N ranks' backup (BackupAndRestore re-shards it), train nothing
+more, gather the state again, and rank 0 writes OUT/resharded.weights.h5.
 """
 
 import os
@@ -131,5 +135,15 @@ def main():
     mgpu.barrier()
 
 
+def reshard():
+    model, x, y = compiled(True)
+    fit(model, x, y, callbacks=[mgpu.callbacks.BackupAndRestore(os.path.join(OUT, "backups"),
+                                                                delete_checkpoint=False)])
+    model.optimizer.gather_state()
+    if mgpu.rank() == 0:
+        model.save_weights(os.path.join(OUT, "resharded.weights.h5"))
+    mgpu.barrier()
+
+
 if __name__ == "__main__":
-    main()
+    reshard() if sys.argv[2:] == ["reshard"] else main()

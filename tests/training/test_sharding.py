@@ -171,3 +171,36 @@ def test_a_custom_loop_fit_and_every_way_to_save_and_load_a_sharded_state(tmp_pa
     assert len(state) == len(expected) > 2, (len(state), len(expected))
     for index, (ours, theirs) in enumerate(zip(state, expected)):
         np.testing.assert_array_equal(ours, theirs, err_msg=f"optimizer variable #{index}")
+    # BackupAndRestore at another number of ranks (3, and 1: unsharded) re-shards the backup;
+    # gathered again, it is the same state (the rate scaled by the new size, rescale_lr)
+    newest, = (tmp_path / "backups").glob("epoch-*.weights.h5")  # keep=1
+    backup = _optimizer_state(keras, newest)
+    for ranks in (3, 1):
+        launch_ok("-np", str(ranks), os.path.join(SCRIPTS, "sharded_loop.py"), str(tmp_path),
+                  "reshard", timeout=900, KERAS_BACKEND=BACKEND, TF_CPP_MIN_LOG_LEVEL="2")
+        again = _optimizer_state(keras, tmp_path / "resharded.weights.h5")
+        assert sorted(again) == sorted(backup), ranks
+        for name, value in backup.items():
+            scale = ranks / 2 if name == "learning_rate" else 1
+            np.testing.assert_array_equal(again[name], value * scale, err_msg=f"{ranks}: {name}")
+
+
+def _optimizer_state(keras, path):
+    """The optimizer variables a weights file holds, by name, as plain Keras reads them."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                              keras.layers.Dense(5, activation="tanh"), keras.layers.Dense(3)],
+                             name="probe")
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.optimizer.build(model.trainable_variables)
+    model.load_weights(path)
+    names = ["kernel_0", "bias_0", "kernel_1", "bias_1", "kernel_2", "bias_2"]
+    state = {}
+    for variable in model.optimizer.variables:  # slot names carry this process's layer names
+        name = variable.name
+        for index, weight in enumerate(model.trainable_variables):
+            prefix = weight.path.replace("/", "_") + "_"
+            if name.startswith(prefix):
+                name = names[index] + "_" + name[len(prefix):]
+        state[name] = keras.ops.convert_to_numpy(variable.value)
+    return state
