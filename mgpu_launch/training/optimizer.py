@@ -134,8 +134,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._root_sync: Optional[optimizer_sync.RootSync] = None
         self._accumulation: Optional[Accumulation] = None
         self._schedule: Optional[_MultipliedSchedule] = None
-        #: with shard_optimizer_state in a multi-process job: who owns which state (at build)
-        self._shards: Optional[sharding.ShardedState] = None
+        self._shards: Optional[sharding.ShardedState] = None  # who owns what (sharded, built)
         self._full_copy: Optional[sharded_saving.FullCopy] = None  # gathered or loaded
         scheduled = innermost(optimizer)  # under a LossScaleOptimizer: the optimizer it wraps
         rate = keras_internals.raw_learning_rate(scheduled)
@@ -319,18 +318,16 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer.save_own_variables(store)
 
     def holds_sharded_state(self) -> bool:
-        """Whether this rank holds the optimizer state of its own variables only."""
-        return self._shards is not None
+        return self._shards is not None  # this rank holds its own variables' state only
 
     def gather_state(self) -> None:
-        """Collective (every rank): the whole sharded state to rank 0, for its next save
-        (``mgpu.callbacks.ModelCheckpoint`` and ``BackupAndRestore`` call it). Unsharded: no-op."""
+        """Collective: a sharded state to rank 0 for its next save (ModelCheckpoint does it)."""
         if self._shards is not None:
             self._full_copy = sharded_saving.gather(
                 self.inner_optimizer, self._serialized_inner(), self._shards.variables)
 
     def scatter_state(self, root_rank: int = 0) -> None:
-        """Collective: every rank takes its part of the state `root_rank` loaded last."""
+        """Collective: every rank its part of the state `root_rank` loaded last."""
         if self._shards is not None:
             sharded_saving.scatter(self.inner_optimizer, self._full_copy, root_rank)
 

@@ -49,6 +49,10 @@ unscaling mgpu does not see (a ``LossScaleOptimizer``, ``loss_scale_factor``, Ke
 ``gradient_accumulation_steps``), and a process set. At build: a model with fewer shared
 variables than ranks (a rank would own nothing, and Keras's update of an empty list does not
 count ``iterations``).
+
+Files hold the whole state in plain Keras's layout (``sharded_saving``: gathered to rank 0
+before a save, each rank's part taken at a load). docs/training-recipe.md, "Sharding the
+optimizer state", says when sharding pays.
 """
 
 import contextlib

@@ -24,6 +24,13 @@ def holds_sharded_state(optimizer) -> bool:
     return isinstance(optimizer, DistributedOptimizer) and optimizer.holds_sharded_state()
 
 
+def sharded_state_variables(model) -> list:
+    """This rank's part of a sharded optimizer's state (what :func:`model_state_variables`
+    leaves out), for a snapshot kept in this process; [] when not sharded."""
+    optimizer = getattr(model, "optimizer", None)
+    return list(optimizer.variables) if holds_sharded_state(optimizer) else []
+
+
 def gather_sharded_state(model) -> None:
     """Collective, before rank 0 saves `model`: a sharded optimizer's whole state to rank 0."""
     if holds_sharded_state(getattr(model, "optimizer", None)):
