@@ -57,6 +57,7 @@ else:
               for case in HUB_CASES]
 #: a float16 / bfloat16 unit roundoff, relative to each tensor's largest weight (docstring)
 TOLERANCE = {"mixed_float16": {"per_tensor": 2.0 ** -11},
+             "mixed_float16_overflow": {"per_tensor": 2.0 ** -11},
              "mixed_bfloat16": {"per_tensor": 2.0 ** -8}}
 #: cases also compared with Keras's own accumulation of the ranks' batches (ranks_as_passes)
 RANKS_AS_PASSES = {"mixed_float16", "mixed_bfloat16"}
@@ -253,9 +254,10 @@ def test_lr_multiplier_reaches_a_schedule_under_the_loss_scaler(passes):
 
 # -- issue 60: the optimizer state sharded across ranks --------------------------------------------
 #: the matrix's cases run again with shard_optimizer_state=True (EXACTNESS_SHARD=1): the four
-#: optimizers, global clipping, accumulation, both mixed precisions, an Embedding (sparse on TF)
+#: optimizers, global clipping, accumulation, both mixed precisions, an Embedding (sparse on TF),
+#: and a loss scaler skipping steps for one variable's overflow (one rank's part of the state)
 SHARD_CASES = ["sgd_momentum", "adam", "adamw", "rmsprop", "global_clipnorm", "accumulation",
-               "mixed_float16", "mixed_bfloat16", "transformer_adamw"]
+               "mixed_float16", "mixed_bfloat16", "transformer_adamw", "mixed_float16_overflow"]
 #: the slots per variable of the cases whose state the test adds up
 STATE_LAYOUT = {"adam": 2, "adamw": 2, "sgd_momentum": 1, "rmsprop": 2}
 

@@ -16,8 +16,9 @@ unsharded one, bit for bit on every rank:
 2. ``global_clipnorm`` clips with the norm of the *whole* gradient, computed by Keras's own
    function on the full list before the split (the inner optimizer's own global clipping is
    off during its update, which sees a part only). Under a ``LossScaleOptimizer`` every rank
-   decides on the finiteness of the whole gradient: a rank's part is replaced by NaN when any
-   gradient is not finite, so the loss scaler skips (and lowers its scale) on every rank alike.
+   decides on the finiteness of the whole gradient: the first gradient of a rank's part becomes
+   NaN when any gradient is not finite, so the loss scaler skips (and lowers its scale) on
+   every rank alike.
 3. Each rank's inner optimizer (built with the variables it owns only: its slots exist for
    them alone, which is the memory saved) updates those variables; ``iterations``, the
    learning rate and its schedule advance on every rank as without sharding.
@@ -237,10 +238,12 @@ class ShardedState:
         grads = [by_id[id(v)] for v in self.variables]  # the order the owners were drawn in
         if base.global_clipnorm:
             grads = keras_internals.clip_by_global_norm(grads, base.global_clipnorm)
-        if len(chain) > 1:  # a loss scaler decides on the whole gradient, on every rank alike
-            finite = ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in grads]))
-            grads = [ops.where(finite, g, ops.cast(float("nan"), g.dtype)) for g in grads]
         owned = [g for g, v in zip(grads, self.variables) if id(v) in self._owned_ids]
+        if len(chain) > 1:  # a loss scaler decides on the whole gradient, on every rank alike:
+            # one NaN in this rank's part when any gradient is not finite makes it skip here too
+            finite = ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in grads]))
+            first = engine.densify(owned[0]) if engine.is_sparse(owned[0]) else owned[0]
+            owned[0] = ops.where(finite, first, ops.cast(float("nan"), first.dtype))
         with _global_clipping_off(base):
             apply_inner(inner, owned, self.owned, schedule)
         self._share(engine)

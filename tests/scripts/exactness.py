@@ -150,6 +150,13 @@ CASES = {
     "mixed_float16": dict(model=mlp, inputs="dense", policy="mixed_float16", loss_scale=True,
                           ranks_as_passes=True,
                           optimizer=lambda **kw: keras.optimizers.Adam(0.01, **kw)),
+    # Inputs 50x larger: the first kernel's gradient overflows float16 at the first steps, the
+    # others' not, so a loss scaler skips steps because of one variable (with the optimizer
+    # state sharded, one rank's part: every rank must skip alike).
+    # (Keras's own accumulation skips per pass, so it is no reference here: ranks_as_passes off.)
+    "mixed_float16_overflow": dict(model=mlp, inputs="dense_x50", policy="mixed_float16",
+                                   loss_scale=True,
+                                   optimizer=lambda **kw: keras.optimizers.Adam(0.01, **kw)),
     "vision_sync_bn": dict(model=vision, inputs="image", synchronized=True,
                            optimizer=lambda **kw: keras.optimizers.SGD(0.1, momentum=0.9, **kw)),
     # The README's recipe: mgpu.data.shard of arrays (Keras's adapter: an unknown batch size).
@@ -180,6 +187,8 @@ def case_seed(name: str) -> int:
 def inputs(kind, samples, rng):
     if kind == "dense":
         x = rng.normal(size=(samples, 6))
+    elif kind == "dense_x50":
+        x = rng.normal(size=(samples, 6)) * 50.0
     elif kind == "sequence":
         x = rng.normal(size=(samples, 5, 3))
     elif kind == "sequence_6x8":
@@ -244,12 +253,20 @@ def train(name, spec, mode, out_path):
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         model.fit(**feeding(way, x, y, sample_weight, batch, spec), epochs=1, shuffle=False,
                   verbose=0)
+        if spec.get("loss_scale"):  # the steps the loss scaler skipped show in its scale
+            print(f"{name} {mode}: loss scale {float(optimizer_scale(optimizer)):g}", flush=True)
         np.savez(out_path, *model.get_weights(),
                  iterations=keras.ops.convert_to_numpy(optimizer.iterations),
                  learning_rate=keras.ops.convert_to_numpy(optimizer.learning_rate),
                  state_bytes=sharding.state_bytes(optimizer))
     finally:
         keras.mixed_precision.set_global_policy("float32")
+
+
+def optimizer_scale(optimizer):
+    while not hasattr(optimizer, "dynamic_scale"):
+        optimizer = optimizer.inner_optimizer
+    return keras.ops.convert_to_numpy(optimizer.dynamic_scale)
 
 
 def feeding(way, x, y, sample_weight, batch, spec):
