@@ -24,6 +24,7 @@ The full copy costs the root the unsharded state's memory while it saves or load
 device), and the transfer goes through the host collectives (MPI, pickled numpy arrays).
 """
 
+import contextlib
 from typing import Dict, Optional
 
 import keras
@@ -82,10 +83,16 @@ class FullCopy:
     """
 
     def __init__(self, serialized: dict, variables, step: Optional[int] = None):
-        with keras.device("cpu:0"):
+        try:
+            self._build(serialized, variables, keras.device("cpu:0"))
+        except (ValueError, RuntimeError):  # no CPU device for this backend's arrays here
+            self._build(serialized, variables, contextlib.nullcontext())
+        self.step = step
+
+    def _build(self, serialized: dict, variables, where) -> None:
+        with where:
             self.optimizer = keras.saving.deserialize_keras_object(serialized)
             self.optimizer.build(list(variables))
-        self.step = step
 
     def values(self) -> Dict[str, np.ndarray]:
         return _values(self.optimizer)
