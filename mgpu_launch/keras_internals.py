@@ -344,3 +344,12 @@ def torch_convert_to_tensor(value):
     """The tensor Keras's torch backend makes of `value` (looked up at every call: with CUDA
     graphs on, mgpu_launch.training.patches replaces it)."""
     return _function(_TORCH, "convert_to_tensor", "a batch as the tensor Keras makes")(value)
+
+
+# -- sharded optimizer state (mgpu_launch.training.sharding) --------------------------------------
+def clip_by_global_norm(grads, clip_norm):
+    """Keras's own global-norm clipping of a list of gradients (what an optimizer with
+    ``global_clipnorm`` does inside ``apply``), so a sharded update clips the whole gradient
+    exactly as the unsharded one does."""
+    return _function("keras.src.optimizers.base_optimizer", "clip_by_global_norm",
+                     "global-norm clipping of the whole gradient")(grads, clip_norm)

@@ -204,9 +204,31 @@ def test_recorder_rows_alternate_and_steps_per_execution_rows_time_whole_executi
     assert "(host, prefetch 2, recorder on #2, steps_per_execution 2, batch" in result.stdout
 
 
+@pytest.mark.job
+@requires_mpirun
+def test_sharded_optimizer_state_rows_show_the_bytes_each_rank_holds(tmp_path):
+    # issue 60: one 2-process job, the optimizer compiled unsharded then sharded; every row has
+    # each rank's optimizer-state bytes, and the efficiency report says them
+    result = assert_ok(bench("--cpu", "--gpus", "2", "--model", "mlp-tiny", "--steps", "5",
+                             "--window", "3", "--data", "host", "--recorder", "off,on",
+                             "--shard-optimizer-state", "0,1", "--out", str(tmp_path)))
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r["shard_optimizer_state"] for r in rows] == [False, False, True, True], \
+        explain(result)
+    assert rows[2]["variant"] == "recorder off, optimizer state sharded"
+    whole, parts = rows[0]["optimizer_state_bytes"], rows[2]["optimizer_state_bytes"]
+    assert len(whole) == len(parts) == 2 and whole[0] == whole[1] > 0
+    assert max(parts) < whole[0] < sum(parts) < 2 * whole[0], (whole, parts)
+    reports = [r["efficiency_report"] for r in rows if r["recorder"]]
+    assert "optimizer state: " in reports[0] and "every rank holds all of it" in reports[0]
+    assert "sharded: each rank updates its variables" in reports[1], reports[1]
+    assert "optimizer state sharded" in result.stdout
+
+
 def test_bad_steps_per_execution_and_recorder_values_exit_2():
     for argv, message in ((["--steps-per-execution", "0"], "expected integers >= 1"),
-                          (["--recorder", "maybe"], "unknown maybe")):
+                          (["--recorder", "maybe"], "unknown maybe"),
+                          (["--shard-optimizer-state", "2"], "unknown 2")):
         result = bench("--cpu", "--model", "mlp-tiny", *argv, job=False)
         assert result.returncode == 2 and message in result.stderr, explain(result)
 
@@ -218,7 +240,8 @@ def test_the_reference_rows_get_only_the_options_they_use():
     from mgpu_launch.bench import jobs
     args = tool.parse_args(["--cpu", "--model", "mlp-tiny", "--steps-per-execution", "1,4",
                             "--recorder", "off,on", "--compression", "bf16"])
-    knobs = {"--prefetch", "--cuda-graph", "--steps-per-execution", "--recorder", "--compression"}
+    knobs = {"--prefetch", "--cuda-graph", "--steps-per-execution", "--recorder", "--compression",
+             "--shard-optimizer-state"}
     for backend, expected in (("tensorflow", knobs), ("native", set()), ("mirrored", set())):
         command = jobs.command(args, backend, "mlp-tiny", "float32", "channels_last", 1,
                                "r.json")

@@ -37,7 +37,7 @@ WORKER = os.path.join(SCRIPTS, "exactness.py")
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "2", "KERAS_BACKEND": BACKEND}
 #: the cases scripts/exactness.py knows (vision_sync_bn: synchronized BatchNorm, issue 25 item 3;
 #: tests/training/test_sync_batchnorm.py has its uneven-batch, mask and inference cases)
-CASES = ["sgd_momentum", "adam", "adamw", "clipnorm", "global_clipnorm",
+CASES = ["sgd_momentum", "adam", "adamw", "rmsprop", "clipnorm", "global_clipnorm",
          "embedding_adam", "embedding_int64_ids", "transformer_adamw",
          "lstm", "accumulation", "mixed_float16", "mixed_bfloat16", "vision_sync_bn"]
 if BACKEND == "tensorflow":
@@ -57,6 +57,7 @@ else:
               for case in HUB_CASES]
 #: a float16 / bfloat16 unit roundoff, relative to each tensor's largest weight (docstring)
 TOLERANCE = {"mixed_float16": {"per_tensor": 2.0 ** -11},
+             "mixed_float16_overflow": {"per_tensor": 2.0 ** -11},
              "mixed_bfloat16": {"per_tensor": 2.0 ** -8}}
 #: cases also compared with Keras's own accumulation of the ranks' batches (ranks_as_passes)
 RANKS_AS_PASSES = {"mixed_float16", "mixed_bfloat16"}
@@ -73,10 +74,14 @@ def run_job(directory, cases, np_, **env):
                      timeout=1500, **QUIET, **env)
 
 
+#: what an npz holds besides the weights (arr_0, arr_1, ...)
+STATE_KEYS = ("iterations", "learning_rate", "state_bytes")
+
+
 def load(path):
     with np.load(path) as saved:
-        weights = [saved[f"arr_{i}"] for i in range(len(saved.files) - 2)]
-        return weights, {key: saved[key] for key in ("iterations", "learning_rate")}
+        weights = [saved[f"arr_{i}"] for i in range(len(saved.files) - len(STATE_KEYS))]
+        return weights, {key: saved[key] for key in STATE_KEYS}
 
 
 @pytest.fixture(scope="module")
@@ -245,3 +250,64 @@ def test_lr_multiplier_reaches_a_schedule_under_the_loss_scaler(passes):
     ours.lr_multiplier.assign(1.0)  # the rate read between steps: the schedule at every pass
     rate = float(keras.ops.convert_to_numpy(ours.learning_rate))
     np.testing.assert_allclose(rate, 0.02 * 0.8 ** (8 * passes), rtol=1e-5)
+
+
+# -- issue 60: the optimizer state sharded across ranks --------------------------------------------
+#: the matrix's cases run again with shard_optimizer_state=True (EXACTNESS_SHARD=1): the four
+#: optimizers, global clipping, accumulation, both mixed precisions, an Embedding (sparse on TF),
+#: and a loss scaler skipping steps for one variable's overflow (one rank's part of the state)
+SHARD_CASES = ["sgd_momentum", "adam", "adamw", "rmsprop", "global_clipnorm", "accumulation",
+               "mixed_float16", "mixed_bfloat16", "transformer_adamw", "mixed_float16_overflow"]
+#: the slots per variable of the cases whose state the test adds up
+STATE_LAYOUT = {"adam": 2, "adamw": 2, "sgd_momentum": 1, "rmsprop": 2}
+
+
+@pytest.fixture(scope="module")
+def sharded_job(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("sharded")
+    run_job(directory, SHARD_CASES, 2, EXACTNESS_SHARD="1")
+    return directory
+
+
+def check_sharded(directory, case, np_):
+    """Sharded equals unsharded (rtol 1e-6), on every rank bit for bit; the step counted and
+    the rate read alike; each rank holds about 1/np_ of the state."""
+    unsharded = [load(directory / f"{case}.rank{r}.npz") for r in range(np_)]
+    sharded = [load(directory / f"{case}.sharded.rank{r}.npz") for r in range(np_)]
+    for weights, _ in sharded[1:]:
+        for ours, theirs in zip(sharded[0][0], weights, strict=True):
+            np.testing.assert_array_equal(ours, theirs)
+    (weights, state), (expected, expected_state) = sharded[0], unsharded[0]
+    for index, (ours, theirs) in enumerate(zip(weights, expected, strict=True)):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=0,
+                                   err_msg=f"{case} weight #{index}, sharded vs unsharded")
+    assert int(state["iterations"]) == int(expected_state["iterations"]), case
+    assert float(state["learning_rate"]) == float(expected_state["learning_rate"]), case
+    whole = int(expected_state["state_bytes"])
+    parts = [int(s["state_bytes"]) for _, s in sharded]
+    assert max(parts) < whole, (case, parts, whole)
+    if case in STATE_LAYOUT:  # float32 weights: the slots add up exactly
+        slots = STATE_LAYOUT[case]
+        model_bytes = sum(w.nbytes for w in expected)
+        scalars = whole - slots * model_bytes  # iterations, the rate: on every rank
+        assert 0 < scalars <= 64, (case, whole, model_bytes)
+        assert sum(parts) == slots * model_bytes + np_ * scalars, (case, parts)
+        largest = max(w.nbytes for w in expected)
+        for part in parts:  # greedy by size: at most 1/N of the whole plus one variable
+            assert part <= slots * (model_bytes / np_ + largest) + scalars, (case, parts)
+    check_case(directory, case, np_)  # and the unsharded run matched one process
+
+
+@pytest.mark.job
+@pytest.mark.parametrize("case", SHARD_CASES)
+def test_sharded_state_matches_unsharded(sharded_job, case):
+    check_sharded(sharded_job, case, 2)
+
+
+@pytest.mark.first_backend
+@pytest.mark.job
+def test_sharded_state_at_four_processes(tmp_path):
+    cases = ["adamw", "transformer_adamw"]
+    run_job(tmp_path, cases, 4, EXACTNESS_SHARD="1")
+    for case in cases:
+        check_sharded(tmp_path, case, 4)

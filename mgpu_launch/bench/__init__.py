@@ -121,6 +121,10 @@ def get_parser() -> argparse.ArgumentParser:
         help="off,on (or off,on,off,on: alternated, against drift): rows with the timeline "
              "recorder off (MGPU_EFFICIENCY_REPORT=0) and on: what it costs; an on row keeps its "
              "efficiency report and writes its trace to logs/ (default: on, what users get)")
+    add("--shard-optimizer-state", default="0",
+        help="comma-separated 0/1: rows with the optimizer state replicated on every rank (0) "
+             "and sharded across the ranks (1, DistributedOptimizer(shard_optimizer_state="
+             "True)); every row reports the bytes of optimizer state per rank (default: 0)")
     add("--compression", default="none", choices=["none", "fp16", "bf16"],
         help="the gradients' wire format (mgpu.Compression; default: %(default)s)")
     add("--profile", action="store_true",
@@ -167,6 +171,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.cuda_graphs = _split(parser, "--cuda-graph", args.cuda_graph, ("0", "1"))
     args.executions = _split(parser, "--steps-per-execution", args.steps_per_execution, kind=int)
     args.recorders = _split(parser, "--recorder", args.recorder, ("off", "on"))
+    args.shardings = _split(parser, "--shard-optimizer-state", args.shard_optimizer_state,
+                            ("0", "1"))
     if min(args.executions) < 1:
         parser.error(f"--steps-per-execution {args.steps_per_execution!r}: expected integers "
                      f">= 1, e.g. 1,8")

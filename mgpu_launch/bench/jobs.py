@@ -109,7 +109,8 @@ def command(args, backend: str, model: str, precision: str, data_format: str, gp
         worker += ["--prefetch", ",".join(map(str, args.prefetch_depths)),
                    "--cuda-graph", ",".join(graphs),
                    "--steps-per-execution", ",".join(map(str, args.executions)),
-                   "--recorder", ",".join(args.recorders)]
+                   "--recorder", ",".join(args.recorders),
+                   "--shard-optimizer-state", ",".join(args.shardings)]
         if args.compression != "none":
             worker += ["--compression", args.compression]
     if names.is_native(backend):

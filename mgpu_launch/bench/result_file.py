@@ -90,7 +90,14 @@ def _row(row: Any, where: str) -> Dict[str, Any]:
         _integer(row["tokens_per_sample"], f"{where} tokens_per_sample", 1, 1 << 30)
     if row.get("first_step_s") is not None:
         _number(row["first_step_s"], f"{where} first_step_s", high=1e7)
-    for key in ("cuda_graph", "recorder", "compiled"):
+    state = row.get("optimizer_state_bytes")
+    if state is not None:
+        if not isinstance(state, list) or not 1 <= len(state) <= MAX_RANKS:
+            raise BadResult(f"{where} optimizer_state_bytes: expected a list of 1 to "
+                            f"{MAX_RANKS} integers")
+        for rank, held in enumerate(state):
+            _integer(held, f"{where} optimizer_state_bytes[{rank}]", 0, 1 << 50)
+    for key in ("cuda_graph", "recorder", "compiled", "shard_optimizer_state"):
         if key in row and not isinstance(row[key], bool):
             raise BadResult(f"{where} {key}: expected true or false, got {str(row[key])[:80]!r}")
     steps = row.get("cuda_graph_steps") or {}

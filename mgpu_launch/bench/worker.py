@@ -5,9 +5,10 @@
 
 Builds the model once, compiles it with ``mgpu.DistributedOptimizer`` of the model's optimizer
 (``models.py``: SGD with momentum 0.9, AdamW for the transformers; ``--compile``:
-``jit_compile=True``, Keras's ``torch.compile`` path on torch) and runs ``model.fit`` once per
-input mode and prefetch depth on synthetic data; rank 0 writes the per-rank rates to
-``--result``. Lines with ``[mgpu-bench]`` are progress for the driver.
+``jit_compile=True``, Keras's ``torch.compile`` path on torch; once per
+``--shard-optimizer-state`` value) and runs ``model.fit`` once per input mode and prefetch depth
+on synthetic data; rank 0 writes the per-rank rates, and the bytes of optimizer state each rank
+held, to ``--result``. Lines with ``[mgpu-bench]`` are progress for the driver.
 
 Every row has its throughput in the model's unit (``unit``: img/s, samples/s or tokens/s;
 ``rate``) beside ``img_per_sec`` (samples per second, whatever the model), and
@@ -59,6 +60,9 @@ def get_parser(description: str = __doc__.split("\n\n")[0]) -> argparse.Argument
     parser.add_argument("--steps-per-execution", default="1",
                         help="comma-separated: one row per value (the model's "
                              "steps_per_execution, its train function rebuilt)")
+    parser.add_argument("--shard-optimizer-state", default="0",
+                        help="comma-separated 0/1: one set of rows each with the optimizer "
+                             "compiled unsharded / with shard_optimizer_state=True")
     parser.add_argument("--recorder", default="on",
                         help="comma-separated off/on, in order (off,on,off,on alternates): one "
                              "row each with the timeline recorder "
@@ -160,7 +164,7 @@ def main(argv=None) -> None:
     import keras
     import numpy as np
 
-    from mgpu_launch.training import efficiency, efficiency_report  # imports Keras
+    from mgpu_launch.training import efficiency, efficiency_report, sharding  # import Keras
 
     spec = MODELS[args.model]
     batch = args.batch_per_gpu or spec.batch_per_gpu
@@ -171,9 +175,16 @@ def main(argv=None) -> None:
     arguments = spec.compile_arguments(keras, learning_rate_scale=mgpu.size())
     if args.compile and keras.backend.backend() == "torch":
         os.environ["MGPU_TORCH_COMPILE"] = "1"  # mgpu's compiled torch step, where it has one
-    model.compile(optimizer=mgpu.DistributedOptimizer(
-        arguments["optimizer"], compression=getattr(mgpu.Compression, args.compression)),
-        loss=arguments["loss"], **({"jit_compile": True} if args.compile else {}))
+
+
+    def compile_model(shard: bool) -> None:
+        # a fresh optimizer of the model's kind each time (the weights stay)
+        fresh = spec.compile_arguments(keras, learning_rate_scale=mgpu.size())["optimizer"]
+        model.compile(optimizer=mgpu.DistributedOptimizer(
+            fresh, compression=getattr(mgpu.Compression, args.compression),
+            shard_optimizer_state=shard),
+            loss=arguments["loss"], **({"jit_compile": True} if args.compile else {}))
+
     shape = spec.shape(args.data_format)
     synthetic = synthetic_batches(np, spec, shape, batch, seed=mgpu.rank())
     host, host_uint8 = synthetic["host"], synthetic.get("host-uint8")
@@ -240,6 +251,7 @@ def main(argv=None) -> None:
     rows = []
     step_timer = StepTimer(keras.backend.backend())
     graphs = args.cuda_graph.split(",") if keras.backend.backend() == "torch" else ["0"]
+    compiled_with = None  # the shard_optimizer_state the model is compiled with
     # Captured rows first: a step captured after eager steps of the same model can fail to
     # capture (ResNet-50, benchmarks/torch_speed/h200-2026-11-27/eager_then_capture_resnet.log).
     graphs.sort(key=lambda graph: graph != "1")
@@ -248,8 +260,13 @@ def main(argv=None) -> None:
     labels = [f"recorder {r}" + (f" #{recorders[:i + 1].count(r)}"
                                  if recorders.count(r) > 1 else "")
               for i, r in enumerate(recorders)] if len(recorders) > 1 else [""] * len(recorders)
-    for graph, executions in [(g, int(k)) for g in graphs
-                              for k in args.steps_per_execution.split(",")]:
+    for shard, graph, executions in [(h == "1", g, int(k))
+                                     for h in args.shard_optimizer_state.split(",")
+                                     for g in graphs
+                                     for k in args.steps_per_execution.split(",")]:
+        if shard is not compiled_with:
+            compile_model(shard)  # a fresh optimizer (the weights stay)
+            compiled_with = shard
         os.environ["MGPU_TORCH_CUDA_GRAPH"] = graph
         model.steps_per_execution = executions
         timing = timing_for(args, executions)
@@ -266,7 +283,7 @@ def main(argv=None) -> None:
                 if recorder == "off":
                     timeline.discard()  # an earlier on row started it
                 variant = ", ".join(filter(None, [
-                    label,
+                    label, "optimizer state sharded" if shard else "",
                     f"steps_per_execution {executions}" if executions > 1 else ""])) or None
                 name = f"data {mode}, prefetch {depth}, cuda graph {graph}" + (
                     f", {variant}" if variant else "")
@@ -274,6 +291,7 @@ def main(argv=None) -> None:
                 mine, first_step, text = rate(mode, timing, recorder == "on")
                 per_rank = mgpu.allgather_object(mine)
                 first_step = max(mgpu.allgather_object(first_step))
+                state_bytes = mgpu.allgather_object(sharding.state_bytes(model.optimizer))
                 host_ms, device_ms = step_timer.medians()
                 rows.append({"model": args.model, "data": mode, "prefetch": depth,
                              "compression": args.compression, "variant": variant,
@@ -286,6 +304,8 @@ def main(argv=None) -> None:
                              "first_step_s": round(first_step, 2),
                              "compiled": bool(args.compile),
                              "cuda_graph": graph == "1",
+                             "shard_optimizer_state": shard,
+                             "optimizer_state_bytes": state_bytes,
                              "cuda_graph_steps": dict(getattr(graphed, "counts", {})),
                              "cuda_graph_fallback": getattr(graphed, "fallback", None),
                              "step_ms": round(1000 * batch * len(per_rank) / sum(per_rank), 2),

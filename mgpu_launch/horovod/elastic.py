@@ -53,7 +53,8 @@ from mgpu_launch.runtime import collectives
 from mgpu_launch.training import epoch_resume, patches, resize, stall_probes
 from mgpu_launch.training.callbacks.backup import BackupAndRestore
 from mgpu_launch.training.callbacks.io import _is_chief
-from mgpu_launch.training.callbacks.sync import model_state_variables
+from mgpu_launch.training.callbacks.sync import (model_state_variables, scatter_sharded_state,
+                                                 sharded_state_variables)
 
 __all__ = ["KerasState", "ObjectState", "CommitStateCallback", "UpdateBatchStateCallback",
            "UpdateEpochStateCallback", "run", "STATE_DIR_VARIABLE"]
@@ -114,7 +115,7 @@ class KerasState(State):
         """The model's and optimizer's variables with host copies of their values, and a deep
         copy of the attributes (this process's memory: nothing of it is read from outside)."""
         model = self._backup.model  # on JAX, reading it writes fit's state back first
-        variables = model_state_variables(model)
+        variables = model_state_variables(model) + sharded_state_variables(model)  # own part
         return ([(v, np.array(keras.ops.convert_to_numpy(v), copy=True)) for v in variables],
                 copy.deepcopy(self._values()))
 
@@ -147,6 +148,7 @@ class KerasState(State):
         if runtime.is_multi_process():
             self._build_optimizer()
             backends.get_engine().broadcast_variables(model_state_variables(self.model), 0)
+            scatter_sharded_state(self.model, 0)
             for name, value in collectives.broadcast_object(self._values()).items():
                 setattr(self, name, value)
         self._snapshot = self._take_snapshot()

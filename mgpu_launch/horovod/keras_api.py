@@ -147,7 +147,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          compression=Compression.none, sparse_as_dense=False,
                          gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
                          average_aggregated_gradients=False, num_groups=0, groups=None,
-                         process_set=global_process_set, scale_local_gradients=True):
+                         process_set=global_process_set, scale_local_gradients=True,
+                         shard_optimizer_state=False):
     """Horovod's ``DistributedOptimizer``: an ``mgpu.DistributedOptimizer`` wrapping `optimizer`.
 
     Args:
@@ -169,6 +170,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         scale_local_gradients: divide the gradients of variables registered with the
             optimizer's ``register_local_var`` by ``size()`` (the set's size; Horovod's
             default, True).
+        shard_optimizer_state: mgpu's, not Horovod's: each rank keeps the optimizer state of
+            about 1/N of the variables (ZeRO stage 1; ``mgpu.DistributedOptimizer`` says more).
 
     Returns:
         An ``mgpu.DistributedOptimizer``, a ``keras.optimizers.Optimizer``.
@@ -193,7 +196,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         average_aggregated_gradients=average_aggregated_gradients,
         gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
         iterations_count="passes", process_set=process_set,
-        scale_local_gradients=scale_local_gradients, name=name)
+        scale_local_gradients=scale_local_gradients,
+        shard_optimizer_state=shard_optimizer_state, name=name)
     return distributed
 
 

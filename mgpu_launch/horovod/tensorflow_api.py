@@ -188,7 +188,8 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
                          device_sparse="", compression=Compression.none, sparse_as_dense=False,
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          average_aggregated_gradients=False, num_groups=0, groups=None,
-                         process_set=global_process_set, scale_local_gradients=True):
+                         process_set=global_process_set, scale_local_gradients=True,
+                         shard_optimizer_state=False):
     """Horovod's ``hvd.DistributedOptimizer`` for a Keras optimizer (``mgpu_launch.keras``'s).
 
     TF1 optimizers (``tf.compat.v1.train.Optimizer``) do not exist on Keras 3; `use_locking`
@@ -201,7 +202,8 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
         gradient_predivide_factor=gradient_predivide_factor, op=op,
         backward_passes_per_step=backward_passes_per_step,
         average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
-        groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients)
+        groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients,
+        shard_optimizer_state=shard_optimizer_state)
 
 
 # Below the names above: the tape module reads this module's topology at call time.

@@ -12,6 +12,8 @@ re-export. Its modules:
                                 gradients through the engine, accumulates backward passes
     optimizer_options           its options as one frozen value (DistributedOptions)
     optimizer_sync              its first step: the same variables, the root's weights
+    sharding, sharded_saving    the optimizer state sharded across ranks (ZeRO stage 1), and
+                                its files in plain Keras's layout
     data, prefetch              sharding with equal batch counts on every rank; the device
                                 prefetcher
     layers, batch_statistics    SyncBatchNormalization and the cross-rank batch moments

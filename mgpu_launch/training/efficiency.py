@@ -334,6 +334,8 @@ def render(figures: Dict) -> str:
     if quiet:
         return quiet
     lines = [_header(figures), f"  throughput: {_throughput(figures)}"]
+    if figures.get("optimizer_state"):
+        lines.append(f"  optimizer state: {_optimizer_state(figures['optimizer_state'])}")
     shares = figures["shares"]
     lost = (shares["input"] + shares["wait"] + shares.get("comm", 0.0) + shares["callbacks"]
             + shares["other"])
@@ -356,6 +358,19 @@ def render(figures: Dict) -> str:
         lines.append(f"    {label:<28}{amount}  {detail}".rstrip())
     lines.append(f"  advice: {advice(figures)}")
     return "\n".join(lines)
+
+
+def _optimizer_state(state: Dict) -> str:
+    """Bytes of optimizer state per rank, and whether they are sharded (issue 60)."""
+    held = state["bytes_per_rank"]
+    text = f"{units.size_words(max(held))} on the fullest rank"
+    if state["sharded"]:
+        return (text + f", {units.size_words(sum(held))} over all {len(held)} (sharded: each "
+                f"rank updates its variables, and the new values are shared, as many bytes "
+                f"again as the gradient allreduce)")
+    return text + (" (every rank holds all of it; DistributedOptimizer(..., "
+                   "shard_optimizer_state=True) keeps about 1/N per rank)" if len(held) > 1
+                   else "")
 
 
 def _communication(communication: Optional[Dict]) -> str:

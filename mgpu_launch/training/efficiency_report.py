@@ -22,7 +22,7 @@ import numpy as np
 
 from mgpu_launch import backends, runtime
 from mgpu_launch.runtime import collectives, timeline
-from mgpu_launch.training import sharded
+from mgpu_launch.training import sharded, sharding
 from mgpu_launch.training.efficiency import TIMED_STEPS, analyse, render
 from mgpu_launch.training import optimizer_options
 from mgpu_launch.config import settings
@@ -122,6 +122,15 @@ def time_communication(model, own: List[tuple]) -> Optional[Dict[str, Any]]:
             "compression": optimizer.compression.name, "hint": engine.reduction_advice()}
 
 
+def optimizer_state(model) -> Optional[tuple]:
+    """(bytes of optimizer state this rank holds, whether it is sharded), or None without a
+    DistributedOptimizer."""
+    optimizer = optimizer_options.distributed_optimizer(model)
+    if optimizer is None:
+        return None
+    return sharding.state_bytes(optimizer), optimizer.holds_sharded_state()
+
+
 def combined(outcomes: List[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
     """One figure from every rank's :func:`time_communication`: the median of the ranks'
     times, or the first rank's note when any rank has one."""
@@ -156,15 +165,18 @@ class EfficiencyReport(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         state = runtime.state
         own = timeline.since(self.bookmark)
-        mine = (own, time_communication(self.model, own))
+        mine = (own, time_communication(self.model, own), optimizer_state(self.model))
         ranks = (state.transport.gather_object(mine, 0) if state.transport is not None
                  else [mine])
         if state.rank != 0:
             return
-        self.figures = analyse([slices for slices, _ in ranks], self.batch_size,
-                               combined([timed for _, timed in ranks]))
+        self.figures = analyse([slices for slices, _, _ in ranks], self.batch_size,
+                               combined([timed for _, timed, _ in ranks]))
         if self.figures is None:
             return
+        if ranks[0][2] is not None:  # issue 60: what sharding saves shows per rank
+            self.figures["optimizer_state"] = {"bytes_per_rank": [s[2][0] for s in ranks],
+                                               "sharded": ranks[0][2][1]}
         # the engine's word on a step that dominates; what the input was, for its advice
         self.figures["step_hint"] = backends.get_engine().step_advice(
             self.model, optimizer_options.step_options(self.model))

@@ -15,7 +15,7 @@ from mgpu_launch.runtime import collectives, process_sets
 from mgpu_launch.runtime.collectives import ReduceOp
 from mgpu_launch.backends.compression import Compression, Compressor
 from mgpu_launch.training import patches
-from mgpu_launch.training import optimizer_sync
+from mgpu_launch.training import optimizer_sync, sharded_saving, sharding
 from mgpu_launch.training.optimizer_options import DistributedOptions
 from mgpu_launch.training.optimizer_step import (Accumulation, _MultipliedSchedule, apply_inner,
                                                  innermost)
@@ -64,6 +64,12 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             as its ranks: a loaded model reduces within the registered set of those ranks.
         scale_local_gradients: divide the gradients of variables registered with
             :meth:`register_local_var` by the set's size (True, default; Horovod's option).
+        shard_optimizer_state: keep the wrapped optimizer's state (slots) for about 1/N of
+            the variables on each rank, and share the updated weights after each update
+            (ZeRO stage 1; same results as False). Keras's per-variable optimizers only;
+            ``mgpu_launch.training.sharding`` says what is refused and why, and
+            docs/training-recipe.md when it pays. Files hold the whole state, as plain
+            Keras writes it (``training/sharded_saving.py``; :meth:`gather_state`).
         name: the optimizer's name.
 
     The options are kept as one frozen value, ``options`` (a
@@ -98,7 +104,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                  gradient_predivide_factor: float = 1.0, sparse_as_dense: bool = False,
                  cuda_graph: Optional[bool] = None, iterations_count: str = "updates",
                  process_set=None, scale_local_gradients: bool = True,
-                 name: Optional[str] = None, **kwargs):
+                 shard_optimizer_state: bool = False, name: Optional[str] = None, **kwargs):
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise ValueError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer; got "
                              f"{optimizer!r} ({type(optimizer).__name__}). Pass e.g. "
@@ -111,7 +117,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             average_aggregated_gradients=average_aggregated_gradients,
             gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense,
             cuda_graph=cuda_graph, iterations_count=iterations_count, process_set=process_set,
-            scale_local_gradients=scale_local_gradients)
+            scale_local_gradients=scale_local_gradients,
+            shard_optimizer_state=shard_optimizer_state)
+        if options.shard_optimizer_state:
+            sharding.check_shardable(optimizer)  # on every rank alike, before any step
         super().__init__(learning_rate=0.0, name=name or f"Distributed{optimizer.name}")
         self._wrapped_by_loss_scaler = False
         self.inner_optimizer = optimizer
@@ -125,6 +134,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._root_sync: Optional[optimizer_sync.RootSync] = None
         self._accumulation: Optional[Accumulation] = None
         self._schedule: Optional[_MultipliedSchedule] = None
+        self._shards: Optional[sharding.ShardedState] = None  # who owns what (sharded, built)
+        self._full_copy: Optional[sharded_saving.FullCopy] = None  # gathered or loaded
         scheduled = innermost(optimizer)  # under a LossScaleOptimizer: the optimizer it wraps
         rate = keras_internals.raw_learning_rate(scheduled)
         if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
@@ -164,6 +175,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     #: the process set the gradients are reduced in (None: every rank)
     process_set = property(lambda self: self.options.process_set)
     scale_local_gradients: bool = property(lambda self: self.options.scale_local_gradients)
+    shard_optimizer_state: bool = property(lambda self: self.options.shard_optimizer_state)
 
     def __setattr__(self, name, value):
         # A LossScaleOptimizer wrapped around us resets our loss_scale_factor after __init__.
@@ -180,7 +192,11 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 "could disagree on skipping a step. Use DistributedOptimizer("
                 "keras.optimizers.LossScaleOptimizer(opt)) and compile(..., "
                 "auto_scale_loss=False).")
-        self.inner_optimizer.build(var_list)
+        if self.shard_optimizer_state and runtime.is_multi_process():
+            self._shards = sharding.ShardedState(
+                var_list, [v for v in var_list if id(v) in self._local_ids], runtime.rank(),
+                runtime.size())
+        self.inner_optimizer.build(var_list if self._shards is None else self._shards.owned)
         if self.backward_passes_per_step > 1:
             self._accumulation = Accumulation(
                 self, var_list, self.backward_passes_per_step, self.average_aggregated_gradients,
@@ -253,8 +269,12 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             self._root_sync.broadcast_in_step(variables)
 
         def reduce_and_apply(local):
-            apply_inner(self.inner_optimizer, self._reduce(local, variables),
-                        trainable_variables, self._schedule)
+            reduced = self._reduce(local, variables)
+            if self._shards is not None:
+                self._shards.apply(self.inner_optimizer, reduced, variables,
+                                   backends.get_engine(), apply_inner, self._schedule)
+            else:
+                apply_inner(self.inner_optimizer, reduced, trainable_variables, self._schedule)
 
         if self._accumulation is None:
             reduce_and_apply(list(grads))
@@ -294,9 +314,29 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         the LR callbacks set ``lr_multiplier`` again at every batch, and with
         ``backward_passes_per_step > 1`` a partly accumulated gradient is dropped.
         """
+        if self._shards is not None:  # the whole state, gathered by gather_state()
+            return sharded_saving.write(self._full_copy, self.inner_optimizer, store)
         self.inner_optimizer.save_own_variables(store)
 
+    def holds_sharded_state(self) -> bool:
+        return self._shards is not None  # this rank holds its own variables' state only
+
+    def gather_state(self) -> None:
+        """Collective: a sharded state to rank 0 for its next save (ModelCheckpoint does it)."""
+        if self._shards is not None:
+            self._full_copy = sharded_saving.gather(
+                self.inner_optimizer, self._serialized_inner(), self._shards.variables)
+
+    def scatter_state(self, root_rank: int = 0) -> None:
+        """Collective: every rank its part of the state `root_rank` loaded last."""
+        if self._shards is not None:
+            sharded_saving.scatter(self.inner_optimizer, self._full_copy, root_rank)
+
     def load_own_variables(self, store):
+        if self._shards is not None:  # a plain layout, of any run: this rank keeps its part
+            self._full_copy = sharded_saving.read(
+                self.inner_optimizer, self._serialized_inner(), self._shards.variables, store)
+            return
         inner = self.inner_optimizer
         keys, expected = len(store.keys()), len(inner.variables)
         if expected and keys == len(keras_internals.own_variables(self)) + expected:

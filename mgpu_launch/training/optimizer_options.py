@@ -25,7 +25,8 @@ class DistributedOptions:
 
     The fields are ``mgpu.DistributedOptimizer``'s arguments of the same names (its docstring
     says what each does), plus ``scale_local_gradients`` (Horovod's: divide the gradients of
-    variables registered with ``register_local_var`` by the set's size; default True).
+    variables registered with ``register_local_var`` by the set's size; default True) and
+    ``shard_optimizer_state`` (ZeRO stage 1: ``mgpu_launch.training.sharding``).
     ``compression`` and ``op`` may be given by name (``"fp16"``, ``"sum"``); they are kept as
     the codec and the ``ReduceOp``.
 
@@ -48,6 +49,7 @@ class DistributedOptions:
     iterations_count: str = "updates"
     process_set: Any = None
     scale_local_gradients: bool = True
+    shard_optimizer_state: bool = False
 
     def __post_init__(self):
         op = ReduceOp(self.op) if isinstance(self.op, str) else self.op
@@ -73,12 +75,17 @@ class DistributedOptions:
             raise ValueError(f"process_set={process_set!r}: expected None or an "
                              f"mgpu.ProcessSet (registered with init(process_sets=[...]) or "
                              f"add_process_set)")
+        if self.shard_optimizer_state and process_set is not None:
+            raise ValueError(f"shard_optimizer_state=True with process_set={process_set!r}: "
+                             f"the state is sharded over every rank only; use "
+                             f"process_set=None or shard_optimizer_state=False")
         normal = {"compression": Compression.get(self.compression), "op": op,
                   "backward_passes_per_step": int(self.backward_passes_per_step),
                   "average_aggregated_gradients": bool(self.average_aggregated_gradients),
                   "gradient_predivide_factor": float(factor),
                   "sparse_as_dense": bool(self.sparse_as_dense), "process_set": process_set,
-                  "scale_local_gradients": bool(self.scale_local_gradients)}
+                  "scale_local_gradients": bool(self.scale_local_gradients),
+                  "shard_optimizer_state": bool(self.shard_optimizer_state)}
         for name, value in normal.items():
             object.__setattr__(self, name, value)
 

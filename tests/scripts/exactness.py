@@ -17,6 +17,11 @@ Environment (set by the tests or by hand on a GPU machine):
     EXACTNESS_FP32=1          full float32 and deterministic kernels on GPUs (exact_math.py)
     EXACTNESS_STATIC_ONLY=1   TensorFlow: fail if a sparse gradient takes the dynamic gather
                               (the test that the XLA-compatible path is the one that ran)
+    EXACTNESS_SHARD=1         every rank also trains each case with shard_optimizer_state=True
+                              and writes ``<case>.sharded.rank<r>.npz`` (issue 60)
+
+Every rank's npz also holds ``state_bytes``: the bytes of optimizer state that rank held
+(``mgpu_launch.training.sharding.state_bytes``).
 """
 
 import json
@@ -27,6 +32,7 @@ import zlib
 import numpy as np
 
 import mgpu_launch as mgpu
+from mgpu_launch.training import sharding
 
 mgpu.init()
 import keras  # noqa: E402 - after init, as the README asks
@@ -121,6 +127,8 @@ CASES = {
                  optimizer=lambda **kw: keras.optimizers.Adam(0.01, **kw)),
     "adamw": dict(model=mlp, inputs="dense",
                   optimizer=lambda **kw: keras.optimizers.AdamW(0.01, weight_decay=0.1, **kw)),
+    "rmsprop": dict(model=mlp, inputs="dense",
+                    optimizer=lambda **kw: keras.optimizers.RMSprop(0.01, momentum=0.5, **kw)),
     # Both clip (gradient norms here are 0.3 - 1): on the averaged gradient, as 1 process does.
     "clipnorm": dict(model=mlp, inputs="dense", optimizer=lambda **kw: keras.optimizers.SGD(
         0.1, momentum=0.9, clipnorm=0.05, **kw)),
@@ -142,6 +150,13 @@ CASES = {
     "mixed_float16": dict(model=mlp, inputs="dense", policy="mixed_float16", loss_scale=True,
                           ranks_as_passes=True,
                           optimizer=lambda **kw: keras.optimizers.Adam(0.01, **kw)),
+    # Inputs 50x larger: the first kernel's gradient overflows float16 at the first steps, the
+    # others' not, so a loss scaler skips steps because of one variable (with the optimizer
+    # state sharded, one rank's part: every rank must skip alike).
+    # (Keras's own accumulation skips per pass, so it is no reference here: ranks_as_passes off.)
+    "mixed_float16_overflow": dict(model=mlp, inputs="dense_x50", policy="mixed_float16",
+                                   loss_scale=True,
+                                   optimizer=lambda **kw: keras.optimizers.Adam(0.01, **kw)),
     "vision_sync_bn": dict(model=vision, inputs="image", synchronized=True,
                            optimizer=lambda **kw: keras.optimizers.SGD(0.1, momentum=0.9, **kw)),
     # The README's recipe: mgpu.data.shard of arrays (Keras's adapter: an unknown batch size).
@@ -172,6 +187,8 @@ def case_seed(name: str) -> int:
 def inputs(kind, samples, rng):
     if kind == "dense":
         x = rng.normal(size=(samples, 6))
+    elif kind == "dense_x50":
+        x = rng.normal(size=(samples, 6)) * 50.0
     elif kind == "sequence":
         x = rng.normal(size=(samples, 5, 3))
     elif kind == "sequence_6x8":
@@ -191,9 +208,10 @@ def initial_weights(model, rng):
 
 # -- one case ---------------------------------------------------------------------------------
 def train(name, spec, mode, out_path):
-    """mode: "distributed" (this rank's part, DistributedOptimizer), "reference" (the global
-    batch, plain optimizer) or "accumulated" (plain optimizer accumulating over size() passes,
-    each pass one rank's part, in rank order)."""
+    """mode: "distributed" (this rank's part, DistributedOptimizer), "sharded" (the same with
+    shard_optimizer_state=True), "reference" (the global batch, plain optimizer) or
+    "accumulated" (plain optimizer accumulating over size() passes, each pass one rank's part,
+    in rank order)."""
     rank, size = mgpu.rank(), mgpu.size()
     passes = spec.get("passes", 1)
     keras.mixed_precision.set_global_policy(spec.get("policy", "float32"))
@@ -207,19 +225,22 @@ def train(name, spec, mode, out_path):
             x = inputs(spec["inputs"], STEPS * GLOBAL_BATCH, rng)
             x = x.astype(spec["ids"]) if "ids" in spec else x
             y = rng.integers(0, 3, size=len(x))
-        model = spec["model"](**({"synchronized": mode == "distributed"}
+        model = spec["model"](**({"synchronized": mode in ("distributed", "sharded")}
                                  if spec.get("synchronized") else {}))
         model.set_weights(initial_weights(model, rng))
         # The DistributedOptimizer accumulates itself; the references use Keras's own.
-        steps = {"distributed": 1, "reference": passes, "accumulated": passes * size}[mode]
+        steps = {"distributed": 1, "sharded": 1, "reference": passes,
+                 "accumulated": passes * size}[mode]
         optimizer = spec["optimizer"](**(
             {"gradient_accumulation_steps": steps} if steps > 1 else {}))
         if spec.get("loss_scale"):
             optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
         batch = per_pass if mode == "reference" else per_pass // size
-        way = spec.get("feed", "split") if mode == "distributed" else "split"
-        if mode == "distributed":
-            optimizer = mgpu.DistributedOptimizer(optimizer, backward_passes_per_step=passes)
+        distributed = mode in ("distributed", "sharded")
+        way = spec.get("feed", "split") if distributed else "split"
+        if distributed:
+            optimizer = mgpu.DistributedOptimizer(optimizer, backward_passes_per_step=passes,
+                                                  shard_optimizer_state=mode == "sharded")
             if way != "shard":  # mgpu.data.shard takes every sample and splits them itself
                 # Rank r's part of each pass's global batch: the samples 1 process x per_pass
                 # sees.
@@ -232,11 +253,20 @@ def train(name, spec, mode, out_path):
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         model.fit(**feeding(way, x, y, sample_weight, batch, spec), epochs=1, shuffle=False,
                   verbose=0)
+        if spec.get("loss_scale"):  # the steps the loss scaler skipped show in its scale
+            print(f"{name} {mode}: loss scale {float(optimizer_scale(optimizer)):g}", flush=True)
         np.savez(out_path, *model.get_weights(),
                  iterations=keras.ops.convert_to_numpy(optimizer.iterations),
-                 learning_rate=keras.ops.convert_to_numpy(optimizer.learning_rate))
+                 learning_rate=keras.ops.convert_to_numpy(optimizer.learning_rate),
+                 state_bytes=sharding.state_bytes(optimizer))
     finally:
         keras.mixed_precision.set_global_policy("float32")
+
+
+def optimizer_scale(optimizer):
+    while not hasattr(optimizer, "dynamic_scale"):
+        optimizer = optimizer.inner_optimizer
+    return keras.ops.convert_to_numpy(optimizer.dynamic_scale)
 
 
 def feeding(way, x, y, sample_weight, batch, spec):
@@ -263,7 +293,8 @@ def raw_tf_variable(distributed, out_path):
     for _ in range(STEPS):
         optimizer.apply_gradients([(tf.constant(gradient), variable)])
     np.savez(out_path, variable.numpy(), iterations=optimizer.iterations.numpy(),
-             learning_rate=keras.ops.convert_to_numpy(optimizer.learning_rate))
+             learning_rate=keras.ops.convert_to_numpy(optimizer.learning_rate),
+             state_bytes=sharding.state_bytes(optimizer))
 
 
 def main():
@@ -272,10 +303,13 @@ def main():
     for index, name in enumerate(names):
         spec = CASES.get(name, {})
         modes = ["distributed"]
+        if os.environ.get("EXACTNESS_SHARD") == "1" and name != "raw_tf_variable":
+            modes.append("sharded")  # one tf.Variable: fewer variables than ranks
         if index % size == rank:  # this rank's share of the single-process references
             modes += ["reference"] + (["accumulated"] if spec.get("ranks_as_passes") else [])
         for mode in modes:
-            suffix = f"rank{rank}" if mode == "distributed" else mode
+            suffix = {"distributed": f"rank{rank}", "sharded": f"sharded.rank{rank}"}.get(mode,
+                                                                                     mode)
             out = os.path.join(out_dir, f"{name}.{suffix}")
             if name == "raw_tf_variable":
                 raw_tf_variable(mode == "distributed", out)

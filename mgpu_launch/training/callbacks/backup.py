@@ -18,7 +18,8 @@ from mgpu_launch.runtime import agreement, folders
 from mgpu_launch.training import epoch_resume, patches, resize
 from mgpu_launch.training.callbacks.io import _is_chief, read_attributes, save_atomically
 from mgpu_launch.training.callbacks.schedule import correct_momentum, lr_target
-from mgpu_launch.training.callbacks.sync import model_state_variables
+from mgpu_launch.training.callbacks.sync import (gather_sharded_state, model_state_variables,
+                                                 scatter_sharded_state)
 
 # epoch-<epochs done>.weights.h5, or epoch-<epochs done>-batch-<batches done>.weights.h5
 _BACKUP = re.compile(r"^epoch-(\d+)(?:-batch-(\d+))?\.weights\.h5$")
@@ -218,6 +219,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 f"writes there")})
         if runtime.is_multi_process() and restored is not None:
             backends.get_engine().broadcast_variables(model_state_variables(self.model), 0)
+            scatter_sharded_state(self.model, 0)  # a sharded optimizer's parts of rank 0's
         return restored
 
     def _check_folder(self) -> None:
@@ -319,6 +321,7 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def _save(self, position: Tuple[int, int], extra: Optional[dict] = None) -> None:
         # extra: more JSON-able entries for the backup's state (mgpu_launch.elastic.KerasState's)
+        gather_sharded_state(self.model)  # every rank: a sharded optimizer's state to rank 0
         if not _is_chief():
             return
         epochs, batches = position

@@ -13,6 +13,7 @@ import numpy as np
 
 from mgpu_launch import keras_internals, runtime
 from mgpu_launch.runtime import collectives, folders
+from mgpu_launch.training.callbacks.sync import gather_sharded_state
 
 _HOOKS = ("on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
           "on_train_batch_begin", "on_train_batch_end", "on_test_begin", "on_test_end",
@@ -156,6 +157,7 @@ class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
         super().on_epoch_end(epoch, self._averaged(logs))
 
     def _save_model(self, epoch, batch, logs):
+        gather_sharded_state(self.model)  # every rank: a sharded optimizer's state to rank 0
         if not _is_chief():
             return
         filepath = keras_internals.checkpoint_file_path(self, epoch, batch, logs)

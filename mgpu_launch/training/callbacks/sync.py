@@ -11,9 +11,36 @@ def model_state_variables(model):
     """Model weights and optimizer state, without seed-generator states (those stay per rank)."""
     variables = [v for v in model.variables if "seed_generator" not in v.path]
     optimizer = getattr(model, "optimizer", None)
-    if optimizer is not None and optimizer.built:
+    if optimizer is not None and optimizer.built and not holds_sharded_state(optimizer):
         variables += [v for v in optimizer.variables if "seed_generator" not in v.path]
     return variables
+
+
+def holds_sharded_state(optimizer) -> bool:
+    """Whether `optimizer` is a DistributedOptimizer whose state is sharded: its variables
+    differ between ranks by design, so they are not broadcast; a loaded state reaches the
+    ranks through :func:`scatter_sharded_state` (``training/sharded_saving.py``)."""
+    from mgpu_launch.training.optimizer import DistributedOptimizer  # same layer, built later
+    return isinstance(optimizer, DistributedOptimizer) and optimizer.holds_sharded_state()
+
+
+def sharded_state_variables(model) -> list:
+    """This rank's part of a sharded optimizer's state (what :func:`model_state_variables`
+    leaves out), for a snapshot kept in this process; [] when not sharded."""
+    optimizer = getattr(model, "optimizer", None)
+    return list(optimizer.variables) if holds_sharded_state(optimizer) else []
+
+
+def gather_sharded_state(model) -> None:
+    """Collective, before rank 0 saves `model`: a sharded optimizer's whole state to rank 0."""
+    if holds_sharded_state(getattr(model, "optimizer", None)):
+        model.optimizer.gather_state()
+
+
+def scatter_sharded_state(model, root_rank: int) -> None:
+    """Collective, after `root_rank` loaded `model`: each rank its part of a sharded state."""
+    if holds_sharded_state(getattr(model, "optimizer", None)):
+        model.optimizer.scatter_state(root_rank)
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
@@ -38,6 +65,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         if runtime.is_multi_process():
             backends.get_engine().broadcast_variables(model_state_variables(self.model),
                                                      self.root_rank)
+            scatter_sharded_state(self.model, self.root_rank)
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
