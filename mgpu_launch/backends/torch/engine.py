@@ -33,6 +33,7 @@ import sys
 from typing import Any, List, Optional, Sequence
 
 from mgpu_launch.backends import Engine, reduction
+from mgpu_launch.backends.torch import compiled as compiled_step
 from mgpu_launch.runtime import process_sets
 from mgpu_launch.runtime.rendezvous import (host_and_port, interface_of, job_host_address,
                                             listen, rendezvous)
@@ -152,13 +153,19 @@ class TorchEngine(Engine):
 
     # -- the train step -----------------------------------------------------------------------------
     def wrap_train_function(self, model, function):
-        """With ``MGPU_TORCH_CUDA_GRAPH=1`` (or ``DistributedOptimizer(cuda_graph=True)``):
-        the step captured in a CUDA graph and replayed (mgpu_launch.backends.torch.graph)."""
+        """With ``jit_compile`` (by default on a GPU, mgpu_launch.backends.torch.compiled): the
+        step traced and compiled as one graph. With ``MGPU_TORCH_CUDA_GRAPH=1`` (or
+        ``DistributedOptimizer(cuda_graph=True)``): the step -- compiled or eager -- captured
+        in a CUDA graph and replayed (mgpu_launch.backends.torch.graph)."""
         from mgpu_launch import runtime
-        from mgpu_launch.backends.torch import graph as torch_graph
+        from mgpu_launch.backends.torch import compiled, graph as torch_graph
+        chief = runtime.state.rank == 0
+        if model.jit_compile:  # Keras wrapped its own torch.compile around the step: unwrap
+            function = getattr(function, "_torchdynamo_orig_callable", function)
+            function = compiled.CompiledTrainStep(model, function, is_chief=chief)
         if not torch_graph.requested(model.optimizer):
             return function
-        return torch_graph.GraphedTrainStep(model, function, is_chief=runtime.state.rank == 0)
+        return torch_graph.GraphedTrainStep(model, function, is_chief=chief)
 
     def step_advice(self, model) -> str:
         """On a GPU, an eager step: capture it (Keras's eager torch step is host-bound)."""
@@ -236,6 +243,13 @@ class TorchEngine(Engine):
 
     def reduce_gradients(self, grads, variables, options: reduction.GradientReduction,
                          group=None) -> List[Any]:
+        if compiled_step.tracing():  # inside the compiled step's trace: collectives as ops
+            reducer = Reduction(self.size, options.average, options.prescale, options.postscale,
+                                options.compression)
+            return compiled_step.reduce_in_graph(
+                list(grads), list(variables), reduction.plan(_specs([v.value for v in variables]),
+                                                             self.fusion_bytes, backward=True),
+                reducer, self._torch_group(group, "reduce_gradients"))
         watched = self._watched
         within_a_set = getattr(group, "process_set_id", 0)
         if watched is not None and not within_a_set and watched.covers(variables):

@@ -58,6 +58,9 @@ Keras attribute                            backend   why
 ``Trainer._resolve_auto_jit_compile``      tf        ``jit_compile="auto"``: no XLA where the
                                                      engine's collectives cannot be compiled
                                                      (CPU, ``MGPU_TF_COLLECTIVE=ring``)
+``Trainer._resolve_auto_jit_compile``      torch     ``jit_compile="auto"``: the compiled step
+                                                     (``backends.torch.compiled``) by default
+                                                     on a GPU (``MGPU_TORCH_COMPILE``)
 ``Trainer.compile``                        all       ``mgpu_launch.keras`` (Horovod names) only:
                                                      drop Keras 2's experimental_run_tf_function
 ``BaseOptimizer.variables`` (a property)   all       Horovod namespaces only: also callable, as
@@ -89,7 +92,7 @@ import inspect
 import sys
 from typing import Callable, Optional, Tuple
 
-from mgpu_launch.backends.torch import kernels as torch_kernels
+from mgpu_launch.backends.torch import compiled as torch_compiled, kernels as torch_kernels
 from mgpu_launch.training.patches import fit as _training, objects as _layers
 from mgpu_launch.config import settings
 from mgpu_launch.training.patches.fit import uses_distributed_optimizer  # noqa: F401 (public here)
@@ -194,6 +197,7 @@ PATCHES = {
                              "_enumerate_iterator", ("self",)),
     "compile_config": Patch(_TRAINER, "get_compile_config", ("self",)),
     "tf_auto_jit": Patch(_TRAINER, "_resolve_auto_jit_compile", ("self",)),
+    "torch_auto_jit": Patch(_TRAINER, "_resolve_auto_jit_compile", ("self",)),
     "batch_norm_init": Patch(_BATCH_NORM, "__init__", ("self", "axis", "momentum")),
     "batch_norm_moments": Patch(_BATCH_NORM, "_moments", ("self", "inputs", "mask")),
     "torch_batch_norm": Patch(_BATCH_NORM, "call", ("self", "inputs", "training", "mask")),
@@ -207,7 +211,7 @@ BY_BACKEND = {
     "tensorflow": ("fit", "compile_config", "tf_auto_jit", "tf_iterator"),
     "jax": ("fit", "compile_config", "jax_iterator", "jax_train_function", "jax_state_sync"),
     "torch": ("fit", "compile_config", "torch_iterator", "torch_ddp", "torch_metrics",
-              "torch_train_function"),
+              "torch_train_function", "torch_auto_jit"),
 }
 #: applied once a torch train step is wrapped for CUDA-graph capture: otherwise every step of
 #: every torch job would pay their extra Python frames (convert_to_tensor runs many times a step)
@@ -337,6 +341,8 @@ _FACTORIES = {
         original, on_capture=_install_for_cuda_graphs),
     "torch_sgd_update": _training.torch_sgd_update, "torch_scalars": _training.torch_scalars,
     "resume_iterator": _training.resume_iterator, "tf_auto_jit": _training.tf_auto_jit,
+    "torch_auto_jit": lambda original: _training.torch_auto_jit(original,
+                                                                torch_compiled.default_on),
     "compile": _layers.horovod_compile, "compile_config": _layers.compile_config,
     "batch_norm_init": _batch_norm_init, "batch_norm_moments": _layers.batch_norm_moments,
     "optimizer_variables": _layers.optimizer_variables,

@@ -188,6 +188,17 @@ def tf_auto_jit(original):
     return _resolve_auto_jit_compile
 
 
+def torch_auto_jit(original, default_on: Callable[[], bool]):
+    # Keras resolves "auto" to eager on torch. A DistributedOptimizer model gets mgpu's compiled
+    # step instead where `default_on` says so (MGPU_TORCH_COMPILE; on by default on a GPU);
+    # compile(jit_compile=False) still means eager, jit_compile=True compiled.
+    def _resolve_auto_jit_compile(self):
+        if uses_distributed_optimizer(self):
+            return default_on()
+        return original(self)
+    return _resolve_auto_jit_compile
+
+
 def torch_train_function(original, on_capture: Callable[[], None]):
     # on_capture installs the patches a captured step needs (patches.FOR_CUDA_GRAPHS);
     # passed in, so this module need not import the registry, which imports it.
