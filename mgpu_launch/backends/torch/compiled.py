@@ -69,7 +69,7 @@ def default_on() -> bool:
     if choice == "auto":
         import torch
         return torch.cuda.is_available()
-    return choice in settings.TRUE_WORDS
+    return choice == "1"
 
 
 def static_reason(model) -> Optional[str]:
@@ -119,6 +119,11 @@ class CompiledTrainStep:
         self.fallback: Optional[str] = static_reason(model)
         if self.fallback:
             self._say(self.fallback)
+            return
+        from mgpu_launch.backends.torch import graph as torch_graph
+        # Keras's torch SGD passes the rate as alpha= (a host read); the same update with the
+        # rate as a tensor (mgpu_launch.training.patches, as for CUDA graphs) can be traced
+        torch_graph._allow_device_learning_rate(model.optimizer)
 
     def __call__(self, data):
         if self.fallback or not self.counts["eager"]:
@@ -227,25 +232,14 @@ _HINT = ("; a Python branch on a tensor (.item(), float(), if tensor:, ops.cond)
 
 
 def _check_graph(graph) -> None:
-    """Refuse a graph that holds a tensor the trace lost track of (a fake constant) or that
-    writes into a constant (a variable not among the inputs)."""
-    import torch
+    """Refuse a graph that holds a tensor the trace lost track of (a placeholder kept as a
+    constant: it has no data). A variable not among the inputs cannot get this far: fake
+    tracing refuses a real tensor that was not made inside the trace."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    for name, value in list(graph.named_buffers()) + [
-            (n, getattr(graph, n)) for n in dir(graph) if n.startswith("_tensor_constant")]:
-        if isinstance(value, FakeTensor):
+    for name in dir(graph):
+        if name.startswith("_tensor_constant") and isinstance(getattr(graph, name), FakeTensor):
             raise RuntimeError(f"the trace kept a placeholder tensor as a constant ({name})")
-    constants = {node for node in graph.graph.nodes if node.op == "get_attr"}
-    for node in graph.graph.nodes:
-        schema = getattr(node.target, "_schema", None)
-        if node.op == "call_function" and schema is not None and schema.is_mutable:
-            written = [a for a, arg in zip(node.args, schema.arguments)
-                       if arg.alias_info is not None and arg.alias_info.is_write]
-            flat = [x for a in written for x in (a if isinstance(a, (list, tuple)) else [a])]
-            if any(isinstance(x, torch.fx.Node) and x in constants for x in flat):
-                raise RuntimeError(f"the step writes into a tensor that is not one of its "
-                                   f"variables ({node.target})")
 
 
 class _Step:

@@ -161,20 +161,37 @@ class TorchEngine(Engine):
         from mgpu_launch.backends.torch import compiled, graph as torch_graph
         chief = runtime.state.rank == 0
         if model.jit_compile:  # Keras wrapped its own torch.compile around the step: unwrap
-            function = getattr(function, "_torchdynamo_orig_callable", function)
+            function = getattr(function, "__wrapped__", function)  # torch.compile's wraps
             function = compiled.CompiledTrainStep(model, function, is_chief=chief)
         if not torch_graph.requested(model.optimizer):
             return function
         return torch_graph.GraphedTrainStep(model, function, is_chief=chief)
 
     def step_advice(self, model) -> str:
-        """On a GPU, an eager step: capture it (Keras's eager torch step is host-bound)."""
-        from mgpu_launch.backends.torch import graph as torch_graph
-        if torch_graph.requested(model.optimizer) or torch_graph.static_reason(model):
-            return ""  # captured already, or it cannot be (no GPU, a LossScaleOptimizer, ...)
-        return ("on torch it runs eagerly, bound by the Python that launches its kernels: "
-                "DistributedOptimizer(cuda_graph=True) captures it in a CUDA graph (ResNet-50 "
-                "on an H200: 2.2-3.2x, docs/torch-cuda-graphs.md)")
+        """A step that runs eagerly: compile it (any device; on a GPU also: capture it).
+        Nothing when it is compiled, or captured, already; the reason when it fell back."""
+        from mgpu_launch.backends.torch import compiled, graph as torch_graph
+        step = getattr(model, "train_function", None)
+        if isinstance(step, torch_graph.GraphedTrainStep):
+            step = step.eager_step  # captured around the compiled (or eager) step
+        if isinstance(step, compiled.CompiledTrainStep):
+            if not step.fallback:
+                return ""
+            return (f"on torch its compiled step fell back to eager ({step.fallback}); fix "
+                    f"that to compile it (docs/torch-compile.md)")
+        if model.jit_compile is False and compiled.static_reason(model) is None:
+            advice = ("on torch it runs eagerly, bound by the Python that launches its "
+                      "kernels: model.compile(jit_compile=True) (or MGPU_TORCH_COMPILE=1; on "
+                      "by default on a GPU) compiles the whole step, docs/torch-compile.md")
+        else:
+            advice = ""
+        if not (torch_graph.requested(model.optimizer) or torch_graph.static_reason(model)):
+            capture = ("DistributedOptimizer(cuda_graph=True) captures it in a CUDA graph "
+                       "(ResNet-50 on an H200: 2.2-3.2x, docs/torch-cuda-graphs.md)")
+            advice = f"{advice}; or {capture}" if advice else \
+                f"on torch it runs eagerly, bound by the Python that launches its kernels: " \
+                f"{capture}"
+        return advice
 
     def shutdown(self) -> None:
         process_sets.remove_listener(self._set_added, self._set_removed)
