@@ -173,3 +173,24 @@ def test_jit_compile_and_the_setting_choose_the_path(monkeypatch, setting, jit_c
     plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     plain.compile(keras.optimizers.SGD(0.1), "mse")  # not ours: Keras's own "auto" (eager)
     assert plain.jit_compile is False
+
+
+def test_evaluate_and_predict_stay_eager_under_jit_compile():
+    # Keras's own torch.compile of its step functions is not used for our models: the train
+    # step is ours (wrapped at fit), evaluate and predict run eagerly.
+    import keras
+
+    import mgpu_launch as mgpu
+
+    def made(optimizer):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer, "mse", jit_compile=True)
+        model.make_test_function()
+        model.make_predict_function()
+        return model
+
+    ours = made(mgpu.DistributedOptimizer(keras.optimizers.SGD(0.1)))
+    assert not hasattr(ours.test_function, "__wrapped__")  # torch.compile's wrapper has it
+    assert not hasattr(ours.predict_function, "__wrapped__")
+    plain = made(keras.optimizers.SGD(0.1))  # Keras's own choice, untouched
+    assert hasattr(plain.test_function, "__wrapped__")

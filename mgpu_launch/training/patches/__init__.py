@@ -61,6 +61,9 @@ Keras attribute                            backend   why
 ``Trainer._resolve_auto_jit_compile``      torch     ``jit_compile="auto"``: the compiled step
                                                      (``backends.torch.compiled``) by default
                                                      on a GPU (``MGPU_TORCH_COMPILE``)
+``TorchTrainer._should_torch_compile``     torch     never Keras's own ``torch.compile`` of
+                                                     the step functions: the train step is
+                                                     ours, evaluate and predict stay eager
 ``Trainer.compile``                        all       ``mgpu_launch.keras`` (Horovod names) only:
                                                      drop Keras 2's experimental_run_tf_function
 ``BaseOptimizer.variables`` (a property)   all       Horovod namespaces only: also callable, as
@@ -198,6 +201,8 @@ PATCHES = {
     "compile_config": Patch(_TRAINER, "get_compile_config", ("self",)),
     "tf_auto_jit": Patch(_TRAINER, "_resolve_auto_jit_compile", ("self",)),
     "torch_auto_jit": Patch(_TRAINER, "_resolve_auto_jit_compile", ("self",)),
+    "torch_keras_compile": Patch(_TORCH_TRAINER, "_should_torch_compile", ("self",),
+                                 optional=True),
     "batch_norm_init": Patch(_BATCH_NORM, "__init__", ("self", "axis", "momentum")),
     "batch_norm_moments": Patch(_BATCH_NORM, "_moments", ("self", "inputs", "mask")),
     "torch_batch_norm": Patch(_BATCH_NORM, "call", ("self", "inputs", "training", "mask")),
@@ -211,7 +216,7 @@ BY_BACKEND = {
     "tensorflow": ("fit", "compile_config", "tf_auto_jit", "tf_iterator"),
     "jax": ("fit", "compile_config", "jax_iterator", "jax_train_function", "jax_state_sync"),
     "torch": ("fit", "compile_config", "torch_iterator", "torch_ddp", "torch_metrics",
-              "torch_train_function", "torch_auto_jit"),
+              "torch_train_function", "torch_auto_jit", "torch_keras_compile"),
 }
 #: applied once a torch train step is wrapped for CUDA-graph capture: otherwise every step of
 #: every torch job would pay their extra Python frames (convert_to_tensor runs many times a step)
@@ -343,6 +348,7 @@ _FACTORIES = {
     "resume_iterator": _training.resume_iterator, "tf_auto_jit": _training.tf_auto_jit,
     "torch_auto_jit": lambda original: _training.torch_auto_jit(original,
                                                                 torch_compiled.default_on),
+    "torch_keras_compile": _training.torch_keras_compile,
     "compile": _layers.horovod_compile, "compile_config": _layers.compile_config,
     "batch_norm_init": _batch_norm_init, "batch_norm_moments": _layers.batch_norm_moments,
     "optimizer_variables": _layers.optimizer_variables,

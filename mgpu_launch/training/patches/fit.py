@@ -199,6 +199,18 @@ def torch_auto_jit(original, default_on: Callable[[], bool]):
     return _resolve_auto_jit_compile
 
 
+def torch_keras_compile(original):
+    # Keras's jit_compile=True on torch is torch.compile of its step functions: dynamo traces
+    # Keras's Python, hits the recompile limit and falls back (docs/torch-compile.md). For a
+    # DistributedOptimizer model the train step is mgpu's compiled one (the engine wraps it);
+    # evaluate and predict stay eager, as with jit_compile=False.
+    def _should_torch_compile(self):
+        if uses_distributed_optimizer(self):
+            return False
+        return original(self)
+    return _should_torch_compile
+
+
 def torch_train_function(original, on_capture: Callable[[], None]):
     # on_capture installs the patches a captured step needs (patches.FOR_CUDA_GRAPHS);
     # passed in, so this module need not import the registry, which imports it.
