@@ -23,8 +23,7 @@ This module traces the step the way Keras's JAX backend does, and never lets dyn
 
 A step that cannot be traced this way falls back to Keras's eager step, and rank 0 prints ONE
 line naming the reason and the fix: a Python branch on a tensor (``.item()``, ``if tensor:``,
-``ops.cond`` in a LossScaleOptimizer, Dropout's seed), a collective we do not trace
-(synchronized BatchNormalization), a variable assigned that the model, optimizer and metrics do
+``ops.cond`` in a LossScaleOptimizer, Dropout's seed), a variable assigned that the model, optimizer and metrics do
 not list, float64, more than ``MAX_SIGNATURES`` batch shapes, an error of the compiler.
 """
 
@@ -226,9 +225,8 @@ class CompiledTrainStep:
 
 
 #: added to a tracing failure: where such failures come from
-_HINT = ("; a Python branch on a tensor (.item(), float(), if tensor:, ops.cond), Dropout's "
-         "random seed or a collective in the forward pass (synchronized BatchNormalization) "
-         "cannot be traced")
+_HINT = ("; a Python branch on a tensor (.item(), float(), if tensor:, ops.cond) or "
+         "Dropout's random seed cannot be traced")
 
 
 def _check_graph(graph) -> None:
@@ -285,3 +283,31 @@ def reduce_in_graph(grads, variables, plan, reducer, group) -> List:
         for i, offset, size in zip(bucket.indices, bucket.offsets, bucket.sizes):
             result[i] = flat[offset:offset + size].view(variables[i].value.shape)
     return result
+
+
+_SUM_FUNCTION = []
+
+
+def sum_across_ranks():
+    """A ``torch.autograd.Function`` summing across ranks forward and backward with functional
+    collectives, which a trace records as ops (synchronized BatchNormalization's moments)."""
+    if _SUM_FUNCTION:
+        return _SUM_FUNCTION[0]
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import _functional_collectives as funcol
+
+    def total(tensor):
+        return funcol.wait_tensor(funcol.all_reduce(tensor, "sum", dist.group.WORLD))
+
+    class SumAcrossRanksInGraph(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, flat):
+            return total(flat)
+
+        @staticmethod
+        def backward(ctx, gradient):
+            return total(gradient)
+
+    _SUM_FUNCTION.append(SumAcrossRanksInGraph)
+    return SumAcrossRanksInGraph

@@ -236,7 +236,10 @@ class TorchEngine(Engine):
         if any(t.device.type == "meta" for t in tensors):
             return tensors
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        total = _sum_across_ranks().apply(flat)
+        if compiled_step.tracing():  # inside the compiled step's trace: functional collectives
+            total = compiled_step.sum_across_ranks().apply(flat)
+        else:
+            total = _sum_across_ranks().apply(flat)
         return [piece.view_as(t) for piece, t in
                 zip(torch.split(total, [t.numel() for t in tensors]), tensors)]
 
