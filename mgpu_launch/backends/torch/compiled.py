@@ -259,23 +259,29 @@ class _Step:
         return tree.pack_sequence_as(self.structure, list(out))
 
 
-def reduce_in_graph(grads, variables, plan, reducer, group) -> List:
+def reduce_in_graph(grads, variables, reducer, fusion_bytes: int) -> List:
     """The gradients summed (averaged) across ranks by functional collectives, bucket by
-    bucket in `plan` (the eager engine's buckets), as ops of the traced graph; a missing
-    gradient (a variable this rank did not use) takes part as zeros."""
+    bucket as the eager engine's hooks reduce them (same plan, scaling and compression), as
+    ops of the traced graph; a missing gradient (a variable this rank did not use) takes part
+    as zeros. `reducer` is the engine's ``Reduction`` (its group: None for every rank)."""
     import torch
     import torch.distributed as dist
     from torch.distributed import _functional_collectives as funcol
 
+    from mgpu_launch.backends import reduction
+
+    specs = [reduction.TensorSpec(str(v.value.dtype), v.value.numel(), v.value.element_size())
+             for v in variables]
+    group = reducer.group or dist.group.WORLD
     result = [None] * len(grads)
-    for bucket in plan:
+    for bucket in reduction.plan(specs, fusion_bytes, backward=True):
         chosen = [grads[i] if grads[i] is not None else torch.zeros_like(variables[i].value)
                   for i in bucket.indices]
         flat = torch.cat([g.reshape(-1) for g in chosen])
         if reducer.prescale != 1.0:
             flat = flat * reducer.prescale
         wire = reducer.compression.compress(flat) if reducer.compression else flat
-        wire = funcol.wait_tensor(funcol.all_reduce(wire, "sum", group or dist.group.WORLD))
+        wire = funcol.wait_tensor(funcol.all_reduce(wire, "sum", group))
         flat = reducer.compression.decompress(wire, chosen[0].dtype) if reducer.compression \
             else wire
         if reducer.scale != 1.0:
@@ -311,3 +317,31 @@ def sum_across_ranks():
 
     _SUM_FUNCTION.append(SumAcrossRanksInGraph)
     return SumAcrossRanksInGraph
+
+
+def advice(model) -> str:
+    """The efficiency report's word on a torch step that dominates (the engine's step_advice):
+    compile it when it runs eagerly (any device), capture it on a GPU; nothing when it is
+    compiled, or captured, already; the reason when the compiled step fell back."""
+    from mgpu_launch.backends.torch import graph as torch_graph
+
+    step = getattr(model, "train_function", None)
+    if isinstance(step, torch_graph.GraphedTrainStep):
+        step = step.eager_step  # captured around the compiled (or eager) step
+    if isinstance(step, CompiledTrainStep):
+        if not step.fallback:
+            return ""
+        return (f"on torch its compiled step fell back to eager ({step.fallback}); fix that "
+                f"to compile it (docs/torch-compile.md)")
+    found = ""
+    if model.jit_compile is False and static_reason(model) is None:
+        found = ("on torch it runs eagerly, bound by the Python that launches its kernels: "
+                 "model.compile(jit_compile=True) (or MGPU_TORCH_COMPILE=1; on by default on a "
+                 "GPU) compiles the whole step, docs/torch-compile.md")
+    if not (torch_graph.requested(model.optimizer) or torch_graph.static_reason(model)):
+        capture = ("DistributedOptimizer(cuda_graph=True) captures it in a CUDA graph "
+                   "(ResNet-50 on an H200: 2.2-3.2x, docs/torch-cuda-graphs.md)")
+        found = (f"{found}; or {capture}" if found else
+                 f"on torch it runs eagerly, bound by the Python that launches its kernels: "
+                 f"{capture}")
+    return found

@@ -168,30 +168,9 @@ class TorchEngine(Engine):
         return torch_graph.GraphedTrainStep(model, function, is_chief=chief)
 
     def step_advice(self, model) -> str:
-        """A step that runs eagerly: compile it (any device; on a GPU also: capture it).
-        Nothing when it is compiled, or captured, already; the reason when it fell back."""
-        from mgpu_launch.backends.torch import compiled, graph as torch_graph
-        step = getattr(model, "train_function", None)
-        if isinstance(step, torch_graph.GraphedTrainStep):
-            step = step.eager_step  # captured around the compiled (or eager) step
-        if isinstance(step, compiled.CompiledTrainStep):
-            if not step.fallback:
-                return ""
-            return (f"on torch its compiled step fell back to eager ({step.fallback}); fix "
-                    f"that to compile it (docs/torch-compile.md)")
-        if model.jit_compile is False and compiled.static_reason(model) is None:
-            advice = ("on torch it runs eagerly, bound by the Python that launches its "
-                      "kernels: model.compile(jit_compile=True) (or MGPU_TORCH_COMPILE=1; on "
-                      "by default on a GPU) compiles the whole step, docs/torch-compile.md")
-        else:
-            advice = ""
-        if not (torch_graph.requested(model.optimizer) or torch_graph.static_reason(model)):
-            capture = ("DistributedOptimizer(cuda_graph=True) captures it in a CUDA graph "
-                       "(ResNet-50 on an H200: 2.2-3.2x, docs/torch-cuda-graphs.md)")
-            advice = f"{advice}; or {capture}" if advice else \
-                f"on torch it runs eagerly, bound by the Python that launches its kernels: " \
-                f"{capture}"
-        return advice
+        """A step that runs eagerly: compile it (on a GPU also: capture it); nothing when it
+        is compiled or captured already; the reason when it fell back (``compiled.advice``)."""
+        return compiled_step.advice(model)
 
     def shutdown(self) -> None:
         process_sets.remove_listener(self._set_added, self._set_removed)
@@ -265,11 +244,9 @@ class TorchEngine(Engine):
                          group=None) -> List[Any]:
         if compiled_step.tracing():  # inside the compiled step's trace: collectives as ops
             reducer = Reduction(self.size, options.average, options.prescale, options.postscale,
-                                options.compression)
-            return compiled_step.reduce_in_graph(
-                list(grads), list(variables), reduction.plan(_specs([v.value for v in variables]),
-                                                             self.fusion_bytes, backward=True),
-                reducer, self._torch_group(group, "reduce_gradients"))
+                                options.compression, self._torch_group(group, "reduce_gradients"))
+            return compiled_step.reduce_in_graph(list(grads), list(variables), reducer,
+                                                 self.fusion_bytes)
         watched = self._watched
         within_a_set = getattr(group, "process_set_id", 0)
         if watched is not None and not within_a_set and watched.covers(variables):
