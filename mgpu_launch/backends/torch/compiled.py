@@ -23,7 +23,7 @@ This module traces the step the way Keras's JAX backend does, and never lets dyn
 
 A step that cannot be traced this way falls back to Keras's eager step, and rank 0 prints ONE
 line naming the reason and the fix: a Python branch on a tensor (``.item()``, ``if tensor:``,
-``ops.cond`` in a LossScaleOptimizer, Dropout's seed), a variable assigned that the model, optimizer and metrics do
+``ops.cond`` in a LossScaleOptimizer, a Dropout given a ``seed=``), a variable assigned that the model, optimizer and metrics do
 not list, float64, more than ``MAX_SIGNATURES`` batch shapes, an error of the compiler.
 """
 
@@ -225,8 +225,8 @@ class CompiledTrainStep:
 
 
 #: added to a tracing failure: where such failures come from
-_HINT = ("; a Python branch on a tensor (.item(), float(), if tensor:, ops.cond) or "
-         "Dropout's random seed cannot be traced")
+_HINT = ("; a Python branch on a tensor (.item(), float(), if tensor:, ops.cond) or a "
+         "Dropout given a seed= cannot be traced")
 
 
 def _check_graph(graph) -> None:
