@@ -41,6 +41,7 @@ parser.add_argument("--tokens", help=".npy of token ids, shape (sequences, seq_l
 parser.add_argument("--epochs", type=int, default=3)
 parser.add_argument("--base-lr", type=float, default=1e-3, help="for one process")
 parser.add_argument("--warmup-epochs", type=int, default=1)
+parser.add_argument("--dropout", type=float, default=0.1, help="GPT-2's dropout rate")
 parser.add_argument("--precision", default="float32",
                     choices=["float32", "mixed_bfloat16", "mixed_float16"])
 args = parser.parse_args()
@@ -75,7 +76,7 @@ train = mgpu.data.shard(dataset, batch_size=args.batch_size, shuffle=True, seed=
 keras.utils.set_random_seed(42)
 backbone = keras_hub.models.GPT2Backbone(
     vocabulary_size=vocabulary, num_layers=layers, num_heads=heads, hidden_dim=hidden,
-    intermediate_dim=feed_forward, max_sequence_length=args.seq_len)
+    intermediate_dim=feed_forward, max_sequence_length=args.seq_len, dropout=args.dropout)
 causal_lm = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
 lr = mgpu.scale_lr(args.base_lr)
 causal_lm.compile(

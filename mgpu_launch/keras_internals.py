@@ -32,7 +32,8 @@ __all__ = [
     "in_stateless_scope", "in_symbolic_scope", "initial_epoch", "internals_error",
     "momentum_slots", "next_epoch_is_known_early",
     "own_variables", "raw_learning_rate", "restart_batches", "set_initial_epoch",
-    "set_steps_seen", "shuffles", "steps_seen", "swap_learning_rate", "tf_epoch_dataset",
+    "set_steps_seen", "shuffles", "steps_seen", "swap_learning_rate", "tf_dataset_of",
+    "tf_epoch_dataset",
     "to_torch_dtype",
     "torch_convert_to_tensor", "torch_device",
 ]
@@ -215,22 +216,37 @@ _FEED = "beginning an epoch's batches while the epoch before it ends (device pre
 
 def next_epoch_is_known_early(adapter) -> bool:
     """Whether the adapter's batches of the next epoch depend on nothing that runs between
-    epochs, so they may be made before this epoch ends: arrays (shuffled too: the same draw
-    of the order, only earlier) and a PyDataset with no ``on_epoch_begin`` / ``on_epoch_end``
-    of its own and no worker pool (whose start and stop Keras ties to the epoch). Not:
-    tf.data, generators, any other adapter. (Whether the backend allows it at all is the
-    engine's ``runs_epochs_ahead``.)
+    epochs, so they may be made before this epoch ends: arrays in their own order (not shuffled
+    by ``fit``: ``mgpu.data.shard`` data, whose order mgpu draws from its own seeded generator,
+    or ``shuffle=False``). Not: shuffled arrays (Keras draws each epoch's permutation from
+    numpy's global generator, which the user's code between epochs may draw from too), any
+    PyDataset (its ``__getitem__`` is the user's code: it may draw from ``random`` or numpy,
+    issue 58) unless its class says ``mgpu_begin_early = True`` (its batches depend on their
+    index only) and it has no ``on_epoch_begin`` / ``on_epoch_end`` of its own and no worker
+    pool (whose start and stop Keras ties to the epoch), tf.data, generators, any other
+    adapter. (Whether the backend allows it at all is the engine's ``runs_epochs_ahead``.)
     """
     arrays = _module("keras.src.trainers.data_adapters.array_data_adapter", _FEED)
     if isinstance(adapter, _get(arrays, "ArrayDataAdapter", _FEED)):
-        return True
+        return not shuffles(adapter)
     py = _module("keras.src.trainers.data_adapters.py_dataset_adapter", _FEED)
     if not isinstance(adapter, _get(py, "PyDatasetAdapter", _FEED)):
         return False
     dataset, base = _get(adapter, "py_dataset", _FEED), _get(py, "PyDataset", _FEED)
-    return (_get(adapter, "enqueuer", _FEED) is None
+    return (getattr(type(dataset), "mgpu_begin_early", False) is True
+            and _get(adapter, "enqueuer", _FEED) is None
             and type(dataset).on_epoch_end is base.on_epoch_end
             and type(dataset).on_epoch_begin is base.on_epoch_begin)
+
+
+def tf_dataset_of(adapter):
+    """The ``tf.data`` dataset given to ``fit`` when `adapter` is Keras's adapter of one (None
+    for any other adapter): the JAX engine iterates it itself, and the device feed may begin
+    its next epoch early when ``mgpu.data.shard`` made it."""
+    module = _module("keras.src.trainers.data_adapters.tf_dataset_adapter", _FEED)
+    if not isinstance(adapter, _get(module, "TFDatasetAdapter", _FEED)):
+        return None
+    return adapter.get_tf_dataset()
 
 
 def tf_epoch_dataset(iterator):

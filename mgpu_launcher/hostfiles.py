@@ -52,7 +52,7 @@ class Placement:
         entries: ``(host, slots)`` per line in order; slots None for a bare name.
         per_host: slots given to a bare name, and where that number came from.
         hostfile: pass ``--hostfile hostfile`` to mpirun (every line has ``slots=``), or
-        hosts: pass ``-H hosts`` (some name is bare).
+        hosts: pass these hosts as ``-H`` (some name is bare).
     """
 
     path: str
@@ -60,7 +60,7 @@ class Placement:
     entries: Tuple[Tuple[str, Optional[int]], ...]
     per_host: Tuple[int, str]
     hostfile: Optional[str] = None
-    hosts: Optional[str] = None
+    hosts: Optional[hostlists.HostSlots] = None
 
     @property
     def bare(self) -> int:
@@ -158,8 +158,8 @@ def resolve(np: int, path: str, source: str, slots_flag: Optional[str],
 
     Example:
         >>> resolve(8, "/etc/mpi/hostfile", "$OMPI_MCA_orte_default_hostfile", None,
-        ...         {"OMPI_MCA_orte_set_default_slots": "4"}).hosts   # doctest: +SKIP
-        'job-worker-0.job.ns.svc:4,job-worker-1.job.ns.svc:4'
+        ...         {"OMPI_MCA_orte_set_default_slots": "4"}).hosts.slots()   # doctest: +SKIP
+        {'job-worker-0.job.ns.svc': 4, 'job-worker-1.job.ns.svc': 4}
     """
     entries = tuple(read(path, source))
     count, why = slots_per_host(slots_flag, environ)
@@ -176,8 +176,8 @@ def resolve(np: int, path: str, source: str, slots_flag: Optional[str],
     merged = {}  # a host listed again adds its slots, as Open MPI counts it
     for host, slots in entries:
         merged[host] = merged.get(host, 0) + (placement.per_host[0] if slots is None else slots)
-    return dataclasses.replace(placement,
-                               hosts=",".join(f"{h}:{n}" for h, n in merged.items() if n > 0))
+    return dataclasses.replace(placement, hosts=hostlists.HostSlots(
+        tuple((host, slots) for host, slots in merged.items() if slots > 0)))
 
 
 def placement_for(np: int, options, environ: Mapping[str, str] = os.environ

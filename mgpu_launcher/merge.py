@@ -39,7 +39,8 @@ _GLOG = re.compile(r"^([IWEF])\d{4} [\d:.]+\s+\d+ ")
 DROPPED = re.compile(
     r"^WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR$|"
     r"^I\d{4} [\d:.]+\s+\d+ grpc_server_lib\.cc:\d+\] Started server with target: |"
-    r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\.")
+    r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer "
+    r"ranks is : \d+$")
 #: TensorFlow's E-line where CUDA finds no GPU: dropped only on a job known to have none
 #: (LineMerger's `no_gpu`); on a GPU host it is the reason the GPU goes unused
 NO_GPU_DROPPED = re.compile(r"^E\d{4} [\d:.]+\s+\d+ \S+\] failed call to cuInit: ")

@@ -16,6 +16,8 @@ import sys
 import sysconfig
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
+from mgpu_launcher import hostlists
+
 
 class MpirunNotFound(RuntimeError):
     """No usable mpirun; the message lists the ways to get one."""
@@ -219,7 +221,7 @@ def names_hosts(extra: Sequence[str]) -> bool:
     return any(arg.split("=")[0] in _HOST_OPTIONS for arg in extra)
 
 
-def one_host(hosts: Optional[str], hostfile: Optional[str], extra: Sequence[str],
+def one_host(hosts: Optional[hostlists.HostSlots], hostfile: Optional[str], extra: Sequence[str],
              environ: Mapping[str, str]) -> bool:
     """Whether every rank of the job will run on this host.
 
@@ -228,7 +230,7 @@ def one_host(hosts: Optional[str], hostfile: Optional[str], extra: Sequence[str]
     `environ`. False whenever in doubt: then nothing is restricted.
 
     Example:
-        >>> one_host("localhost:2", None, (), {})
+        >>> one_host(hostlists.parse_hosts("localhost:2"), None, (), {})
         True
         >>> one_host(None, None, ("--host", "node2"), {})
         False
@@ -237,7 +239,7 @@ def one_host(hosts: Optional[str], hostfile: Optional[str], extra: Sequence[str]
         return False
     if hosts:
         own = {"localhost", "127.0.0.1", socket.gethostname()}
-        return all(entry.split(":")[0] in own for entry in hosts.split(","))
+        return all(name in own for name in hosts.names())
     if "SLURM_JOB_ID" in environ and environ.get(
             "SLURM_JOB_NUM_NODES", environ.get("SLURM_NNODES")) != "1":
         return False
@@ -245,7 +247,7 @@ def one_host(hosts: Optional[str], hostfile: Optional[str], extra: Sequence[str]
 
 
 def build_command(mpirun: str, flavour: Flavour, np: int, worker: Sequence[str], *,
-                  hosts: Optional[str] = None, hostfile: Optional[str] = None,
+                  hosts: Optional[hostlists.HostSlots] = None, hostfile: Optional[str] = None,
                   forward: Sequence[str] = (), as_root: bool = False,
                   oversubscribe: bool = False, extra: Sequence[str] = ()) -> List[str]:
     """The full mpirun argument list that starts `np` copies of `worker`.
@@ -255,7 +257,8 @@ def build_command(mpirun: str, flavour: Flavour, np: int, worker: Sequence[str],
         flavour: its :class:`Flavour`.
         np: number of processes.
         worker: the command every rank runs (argument list).
-        hosts: ``host:slots,...`` for multi-host runs.
+        hosts: the hosts of a multi-host run (written here, the one place, as ``-H``'s
+            ``host:slots,...``).
         hostfile: path of a hostfile.
         forward: names of environment variables to forward to remote ranks.
         as_root: add the flavour's run-as-root switch.
@@ -271,7 +274,7 @@ def build_command(mpirun: str, flavour: Flavour, np: int, worker: Sequence[str],
     if oversubscribe:
         command += flavour.oversubscribe
     if hosts:
-        command += [flavour.hosts, hosts]
+        command += [flavour.hosts, str(hosts)]
     if hostfile:
         command += [flavour.hostfile, hostfile]
     command += flavour.placement

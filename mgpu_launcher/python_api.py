@@ -38,7 +38,7 @@ import traceback
 from typing import Any, Callable, Dict, Optional, Sequence
 
 from mgpu_launch.runtime import auth, folders
-from mgpu_launcher import api, mpirun
+from mgpu_launcher import api, hostlists, mpirun
 from mgpu_launch.config import settings
 
 PAYLOAD = "payload.pkl"
@@ -125,7 +125,8 @@ def run(fn: Callable, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]]
         fn: the function; picklable (see the module docstring: cloudpickle is used if present).
         args, kwargs: its arguments; picklable.
         np: number of processes.
-        hosts: ``"host1:4,host2:4"`` as for ``mgpu-train -H``; with other hosts, `work_dir`
+        hosts: ``"host1:4,host2:4"`` as for ``mgpu-train -H`` (an entry that does not parse
+            is a ValueError); with other hosts, `work_dir`
             must be a folder every host sees at the same path (a shared file system).
         hostfile: an Open MPI hostfile, as for ``mgpu-train --hostfile``.
         all_ranks: return every rank's result as a list (rank order) instead of rank 0's.
@@ -144,8 +145,8 @@ def run(fn: Callable, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]]
 
     Raises:
         TypeError: fn, args or kwargs cannot be pickled (the message says how to fix it).
-        ValueError: np is not a whole number >= 1, or an ``MGPU_*`` variable (here or in `env`)
-            has a bad value (mgpu_launch.config.settings.SettingError, before anything starts).
+        ValueError: np is not a whole number >= 1, an entry of `hosts` does not parse, or an
+            ``MGPU_*`` variable (here or in `env`) has a bad value (mgpu_launch.config.settings.SettingError, before anything starts).
         PermissionError: `work_dir` is not a folder of yours that only you may write in, or
             another user could redirect its path (a folder or link of theirs on the way).
         RemoteError: a rank failed; the message has its traceback.
@@ -170,6 +171,7 @@ def run(fn: Callable, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]]
         timeline = os.path.abspath(os.fspath(timeline))
     settings.check({**os.environ, **{name: str(value) for name, value in env.items()},
                     **({"MGPU_TIMELINE": timeline} if timeline else {})})
+    placed = hostlists.parse_hosts(hosts) if hosts else None  # a ValueError names the entry
     _dumps(fn, "fn")  # alone first: its message names the function
     payload = _dumps((fn, tuple(args), dict(kwargs or {})), "args/kwargs")
     own_dir = work_dir is None
@@ -179,7 +181,7 @@ def run(fn: Callable, args: Sequence[Any] = (), kwargs: Optional[Dict[str, Any]]
         folders.create_new(os.path.join(folder, PAYLOAD), auth.sign(key, "payload", payload))
         forward = tuple(f"{name}={value}" for name, value in env.items())
         forward += (f"{KEY_VARIABLE}={key.hex()}",)  # mpirun gets -x NAME: no value on argv
-        config = api.Config(kind="module", target=__name__, args=(folder,), np=np, hosts=hosts,
+        config = api.Config(kind="module", target=__name__, args=(folder,), np=np, hosts=placed,
                             hostfile=hostfile, mpirun_args=tuple(mpirun_args), forward=forward,
                             all_ranks_output=all_ranks_output, timeline=timeline,
                             merge_window=settings.seconds("MGPU_MERGE_SECONDS"))

@@ -12,6 +12,7 @@ output through it.
 
 import collections
 import dataclasses
+import io
 import os
 import re
 import signal
@@ -20,6 +21,7 @@ from typing import Deque, Dict, List, Optional, TextIO, Tuple
 
 from mgpu_launcher import merge
 from mgpu_launch.config import settings
+from mgpu_launch.runtime import folders
 from mgpu_launcher.mpirun import Flavour
 from mgpu_launch.config.markers import (BACKUP_MARKER, FAILURE_MARKER, PROGRESS_MARKER, RESIZE_MARKER,
                                   STALL_MARKER)
@@ -43,6 +45,22 @@ _MPIRUN_REFUSALS = [
 ]
 
 
+def private_output_dir(path: str) -> str:
+    """The real path of the per-rank log folder (``--output-dir``, the launcher API's
+    `output_dir`), created with mode 0700 when missing.
+
+    The rule of every folder a job writes (:func:`mgpu_launch.runtime.folders.private_folder`):
+    a folder of this user that nobody else may write in, on a path nobody else may redirect (a
+    link at the folder itself included); else nothing is written there.
+
+    Raises:
+        mgpu_launch.runtime.folders.UnsafeFolder: (a PermissionError) naming the folder, its
+            owner or mode, and the fix.
+        FileExistsError, NotADirectoryError: the path, or a part of it, is not a folder.
+    """
+    return folders.private_folder(path, "--output-dir")
+
+
 @dataclasses.dataclass
 class Failure:
     rank: int
@@ -55,8 +73,11 @@ class OutputRelay:
 
     def __init__(self, flavour: Flavour, all_ranks: bool, output_dir: Optional[str],
                  stdout: TextIO, stderr: TextIO, size: Optional[int] = None,
-                 merge_window: Optional[float] = None, no_gpu: bool = False):
+                 merge_window: Optional[float] = None, no_gpu: bool = False,
+                 marker_key: Optional[str] = None):
         self.flavour, self.all_ranks, self.output_dir = flavour, all_ranks, output_dir
+        # the job's MGPU_MARKER_KEY: only lines carrying it are markers (see _marker_in)
+        self.marker_key = marker_key
         # Identical stderr lines of several ranks once, tagged [0-3] (not with all_ranks), and
         # the frameworks' start-up chatter dropped or once (MGPU_STARTUP_NOISE=1: all of it);
         # no_gpu (see mgpu_launcher.supervisor.no_gpu_anywhere): TF's cuInit E-line is chatter too.
@@ -74,13 +95,25 @@ class OutputRelay:
         self.backup: Optional[str] = None
         self.logs: Dict[int, TextIO] = {}
         self.lock = threading.Lock()
-        if output_dir:
-            os.makedirs(output_dir, exist_ok=True)
+        if output_dir:  # checked again at every attempt: the folder may change meanwhile
+            self.output_dir = private_output_dir(output_dir)
 
     def _log(self, rank: int) -> TextIO:
+        """Rank `rank`'s log, created anew (0600) in the private output folder.
+
+        Whatever an earlier run left at the name (its log, a link) is removed first (unlink
+        follows no link), then the file is created with ``O_EXCL | O_NOFOLLOW``: only this user
+        can add entries to the folder (:func:`private_output_dir`), and should anything appear
+        there meanwhile the create fails instead of writing through it.
+        """
         if rank not in self.logs:
             path = os.path.join(self.output_dir, f"rank.{rank}.log")
-            self.logs[rank] = open(path, "w", buffering=1, encoding="utf-8")
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            self.logs[rank] = io.TextIOWrapper(folders.open_new(path), encoding="utf-8",
+                                               line_buffering=True)
         return self.logs[rank]
 
     def line(self, raw: str, default_stream: str) -> None:
@@ -93,10 +126,10 @@ class OutputRelay:
                 return
             rank, stream, text = int(match.group(2) or match.group(1)), match.group(3), match.group(4)
             stream = stream or default_stream
+            marked, text = _marker_in(text, self.marker_key) if stream == "stderr" else (None, text)
             if self.output_dir:
                 self._log(rank).write(text + "\n")
-            if stream == "stderr":
-                marked = _from_marker(text)
+            if marked is not None:  # a line of the job's own, for this launcher
                 if marked.startswith(PROGRESS_MARKER):
                     self.progressed = True
                     return  # for the supervisor only
@@ -106,11 +139,12 @@ class OutputRelay:
                 if marked.startswith(BACKUP_MARKER):
                     self.backup = marked[len(BACKUP_MARKER):].strip()
                     return  # for the elastic loop only
-                if not (_START_UP_NOISE.match(marked) or
-                        self.merger is not None and self.merger.drops(marked)):
-                    self.tails[rank].append(marked)
                 if self.first_failure is None:
                     self.first_failure = _failure_in(rank, marked)
+            elif stream == "stderr" and not (
+                    _START_UP_NOISE.match(text) or
+                    self.merger is not None and self.merger.drops(text)):
+                self.tails[rank].append(text)
             if stream == "stderr" and self.merger is not None:
                 self.merger.line(rank, text)
             elif self.merger is not None and self.merger.drops(text):
@@ -171,18 +205,24 @@ class OutputRelay:
                     lines.append(f"  root cause: {text.format(*match.groups())}")
                     return "\n".join(lines)
             lost = self.flavour.lost_hosts_in(self.mpirun_lines)
-            lines.append(f"  root cause: mpirun lost or could not reach {', '.join(lost)}: its "
-                         f"daemon there ended or did not start (the host went away, or ssh to "
-                         f"it failed); see mpirun's messages above." if lost else
-                         "  root cause: unknown — no rank reported a failure; see mpirun's "
-                         "messages above.")
+            if lost:
+                lines.append(f"  root cause: mpirun lost or could not reach {', '.join(lost)}: "
+                             f"its daemon there ended or did not start (the host went away, or "
+                             f"ssh to it failed); see mpirun's messages above.")
+                return "\n".join(lines)
+            lines.append(f"  root cause: no rank reported a failure (no Python exception, no "
+                         f"stall): the job ended with exit status {status}, from a rank that "
+                         f"exited so (sys.exit, os._exit) or crashed; see mpirun's messages "
+                         f"above" + (" and the ranks' last lines:" if self.tails else "."))
+            for rank in sorted(self.tails):
+                lines.append(f"  last lines of rank {rank}'s stderr:")
+                lines += [f"    {t}" for t in self.tails[rank]]
             return "\n".join(lines)
         if cause.stall:
             lines.append(f"  root cause: the job stalled: {cause.reason}")
         else:
             lines.append(f"  root cause: rank {cause.rank} failed first: {cause.reason}")
-        tail = [t for t in self.tails.get(cause.rank, ())
-                if not t.startswith((FAILURE_MARKER, STALL_MARKER))]
+        tail = list(self.tails.get(cause.rank, ()))  # the marker lines are not in it
         if tail:
             lines.append(f"  last lines of rank {cause.rank}'s stderr:")
             lines += [f"    {t}" for t in tail]
@@ -196,21 +236,31 @@ class OutputRelay:
 _STALL_LINE = re.compile(r"^\[(\d+)\] (.*)$")
 
 
-def _from_marker(text: str) -> str:
-    """`text` from its first marker on: a marker line can arrive behind stray bytes.
+_MARKERS = (FAILURE_MARKER, STALL_MARKER, PROGRESS_MARKER, RESIZE_MARKER, BACKUP_MARKER)
 
-    Seen in CI (1 in 20 raised faults): the rank's MPI_Abort banner and the marker shared a
-    pipe, and the marker line came through with an undecodable byte in front of it.
+
+def _marker_in(text: str, key: Optional[str]) -> Tuple[Optional[str], str]:
+    """(the marker line in `text` from its marker on, or None; `text` as shown and logged).
+
+    With the job's key (``MGPU_MARKER_KEY``, mgpu-train sets it in every rank), a marker is
+    ``KEY:`` followed by a marker, found anywhere in the line: a rank's own text cannot hold the
+    key by accident, and a marker line can arrive behind stray bytes (seen in CI, 1 in 20
+    raised faults: the rank's MPI_Abort banner and the marker shared a pipe, and the marker line
+    came through with an undecodable byte in front of it). The key is left out of the line as
+    shown. Without a key (a relay of no mgpu-train job), only a line that starts with a marker
+    is one. Anything else that holds a marker string is the rank's text, shown as such.
     """
-    for marker in (FAILURE_MARKER, STALL_MARKER, PROGRESS_MARKER, RESIZE_MARKER, BACKUP_MARKER):
-        at = text.find(marker)
-        if at > 0:
-            return text[at:]
-    return text
+    if key:
+        at = text.find(f"{key}:")
+        rest = text[at + len(key) + 1:] if at >= 0 else ""
+        if at >= 0 and rest.startswith(_MARKERS):
+            return rest, text[:at] + rest
+        return None, text
+    return (text, text) if text.startswith(_MARKERS) else (None, text)
 
 
 def _failure_in(rank: int, text: str) -> Optional[Failure]:
-    """The failure a rank's stderr line reports, if it is a marker line (see _from_marker)."""
+    """The failure a marker line (see :func:`_marker_in`) reports, if any."""
     if text.startswith(FAILURE_MARKER):
         return Failure(rank, text[len(FAILURE_MARKER):].strip())
     if text.startswith(STALL_MARKER):

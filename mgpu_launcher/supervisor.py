@@ -28,7 +28,7 @@ import time
 from typing import Callable, Dict, Iterator, Optional, Sequence, TextIO, Tuple
 
 from mgpu_launcher import mpirun, sessions
-from mgpu_launch.config import devices
+from mgpu_launch.config import devices, markers
 from mgpu_launcher.mpirun import Flavour
 from mgpu_launcher.relay import Failure, OutputRelay
 
@@ -198,7 +198,8 @@ def supervise(command: Sequence[str], flavour: Flavour, *, all_ranks: bool = Fal
     stderr = stderr or sys.stderr
     relay = OutputRelay(flavour, all_ranks, output_dir, stdout or sys.stdout, stderr,
                         size=size, merge_window=merge_window,
-                        no_gpu=no_gpu_anywhere(command, env))
+                        no_gpu=no_gpu_anywhere(command, env),
+                        marker_key=(os.environ if env is None else env).get(markers.KEY_VARIABLE))
     job = Job.start(command, env, relay, stderr, run_folder)
     try:
         if on_start is not None:

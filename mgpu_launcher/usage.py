@@ -4,18 +4,16 @@ expected and an example. Used by :mod:`mgpu_launcher.cli`.
 """
 
 import os
-import re
 from typing import Optional, Sequence
 
+from mgpu_launch import backends
 from mgpu_launch.config import devices, settings
+from mgpu_launcher import hostlists
 
 PROG = "mgpu-train"
-#: the Keras backends mgpu_launch has an engine for (mgpu_launch.backends.ENGINES; this package
-#: imports nothing of the library, tests/launcher/test_cli.py checks that the two lists agree)
-KERAS_BACKENDS = ("tensorflow", "jax", "torch")
-
-_HOST_ENTRY = re.compile(r"^[A-Za-z0-9_.\-]+(:\d+)?$")
-
+#: the Keras backends mgpu_launch has an engine for (the backends' registry, read without
+#: importing any framework)
+KERAS_BACKENDS = tuple(backends.BACKENDS)
 
 class UsageError(Exception):
     """A bad command line: printed as one line, exit status 2."""
@@ -58,11 +56,12 @@ def check_settings(forward: Sequence[str]) -> None:
         raise UsageError(str(error)) from None
 
 
-def check_hosts(hosts: str) -> None:
-    for entry in hosts.split(","):
-        if not _HOST_ENTRY.match(entry):
-            raise UsageError(f"--hosts entry {entry!r} does not parse: expected HOST or "
-                             f"HOST:SLOTS, comma-separated, e.g. -H node1:4,node2:4")
+def parse_hosts(hosts: str) -> hostlists.HostSlots:
+    """``-H``'s value as the job's hosts (mgpu_launcher.hostlists reads it; exit 2 if bad)."""
+    try:
+        return hostlists.parse_hosts(hosts)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
 
 
 def check_script(target: str) -> None:

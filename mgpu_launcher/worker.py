@@ -14,7 +14,8 @@ import signal
 import sys
 from typing import Optional, Sequence
 
-from mgpu_launch.config import devices, environments, settings
+from mgpu_launch import backends
+from mgpu_launch.config import devices, environments, markers, settings
 from mgpu_launch.config.markers import (ELASTIC_VARIABLE, FAILURE_MARKER, RESIZE_SIGNAL,  # noqa: F401
                                          _resize_requested, abort_job, describe_exception)
 
@@ -26,6 +27,13 @@ def export_placement(placement: environments.Placement, environ=os.environ) -> N
         "MGPU_LOCAL_SIZE": str(placement.local_size),
         "MGPU_ENVIRONMENT": placement.source,
     })
+
+
+def pins_by_visible_devices(environ) -> bool:
+    """The worker's backend's pinning rule (its facts); a backend without an engine (a script
+    run with MGPU_ENGINE=none) is pinned by CUDA_VISIBLE_DEVICES, like most."""
+    known = backends.BACKENDS.get(devices.keras_backend(environ))
+    return known.pins_by_visible_devices if known else True
 
 
 def run_target(kind: str, target: str, args: Sequence[str]) -> None:
@@ -85,7 +93,8 @@ def run(kind: str, target: str, args: Sequence[str], pin: bool = True,
     if settings.flag(ELASTIC_VARIABLE):  # noted, acted on by BackupAndRestore
         signal.signal(RESIZE_SIGNAL, lambda *_: _resize_requested.append(True))
     if pin:
-        devices.pin_gpu(placement.local_rank, placement.local_size, os.environ)
+        devices.pin_gpu(placement.local_rank, placement.local_size, os.environ,
+                        by_visible_devices=pins_by_visible_devices(os.environ))
     try:
         run_target(kind, target, args)
         status, reason = 0, ""
@@ -103,5 +112,5 @@ def run(kind: str, target: str, args: Sequence[str], pin: bool = True,
     if status != 0 and placement.source != environments.SINGLE_PROCESS.source:
         # A job of one process (an elastic job scaled down to one) has no other rank to stop,
         # but mgpu-train still reads its root cause from this line.
-        print(f"{FAILURE_MARKER} {reason}", file=sys.stderr, flush=True)
+        print(markers.line(FAILURE_MARKER, reason), file=sys.stderr, flush=True)
     return status

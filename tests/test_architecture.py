@@ -4,10 +4,11 @@ are touched in one place.
 A module's layer is the package it lives in (``ls mgpu_launch/`` draws the architecture;
 docs/architecture.md explains it):
 
-    config/  <-  runtime/  <-  keras_internals  <-  backends/  <-  training/  <-  mgpu_launcher
-    <-  horovod/  <-  the public paths (mgpu_launch/*.py, thin re-exports)  <-  bench/
+    config/  <-  runtime/  <-  keras_internals  <-  keras_patching  <-  backends/  <-  training/
+    <-  mgpu_launcher  <-  horovod/  <-  the public paths (mgpu_launch/*.py, thin re-exports)
+    <-  bench/
 
-Also: framework imports only in engines/ and bench/ (none, and no Keras, in runtime/ or the
+Also: framework imports only in backends/ and bench/ (none, and no Keras, in runtime/ or the
 launcher), a backend named only where it is chosen or where Keras differs per backend.
 
 Every import counts, also one inside a function (a lazy import is still a dependency: the
@@ -33,6 +34,9 @@ LAYERS = [
     ("runtime", "mgpu_launch.runtime"),
     # the one door to Keras internals: the backends and the training glue both use it
     ("Keras internals", "mgpu_launch.keras_internals"),
+    # how a Keras method is replaced (Patch, apply, PatchSet): the backends declare their own
+    # patch sets on it, the training glue installs them
+    ("Keras patching", "mgpu_launch.keras_patching"),
     ("backends", "mgpu_launch.backends"),
     ("training", "mgpu_launch.training"),
     # the launcher sits on the library (as torch's run.py on torch.distributed); only the
@@ -178,7 +182,7 @@ def test_the_layer_check_fails_on_a_planted_upward_import():
 
 
 #: the modules directly in mgpu_launch/ that are not public paths
-FLOORS = ("__init__.py", "keras_internals.py")
+FLOORS = ("__init__.py", "keras_internals.py", "keras_patching.py")
 
 
 #: what mgpu_launch/__init__.py may hold besides imports: its lazy re-exports (the Keras-facing
@@ -238,16 +242,22 @@ def test_the_launcher_starts_without_the_library_s_weight():
     assert loaded == "[]", f"importing mgpu_launcher.cli and mgpu_launch loaded {loaded}"
 
 
-#: the registry of Keras patches and the modules that build its replacements
+#: the patching floor, the registry of shared Keras patches and the modules that build its
+#: replacements, and each backend's patch set (backends/<name>/patches.py)
 PATCH_MODULES = tuple(sorted(name for name in modules()
-                             if name.startswith("mgpu_launch.training.patches")))
+                             if name.startswith("mgpu_launch.training.patches")
+                             or name == "mgpu_launch.keras_patching"
+                             or (name.startswith("mgpu_launch.backends.")
+                                 and name.endswith(".patches"))))
 #: the only modules that may import ``keras.src`` or touch private attributes of Keras objects
 INTERNALS_MODULES = ("mgpu_launch.keras_internals",) + PATCH_MODULES
 
 
 def test_the_patch_package_is_found():
     assert set(PATCH_MODULES) >= {"mgpu_launch.training.patches",
-                                  "mgpu_launch.training.patches.fit"}
+                                  "mgpu_launch.training.patches.fit",
+                                  "mgpu_launch.keras_patching",
+                                  "mgpu_launch.backends.torch.patches"}
 
 
 def test_only_the_patch_package_assigns_to_keras_classes():
@@ -445,14 +455,13 @@ def flag(optimizer):
     assert boundary_offences({"mgpu_launch.sample": source}) == []
 
 
-# -- framework imports: only in engines/ and bench/, never in runtime/ or the launcher ----------
+# -- framework imports: only in backends/ and bench/, never in runtime/ or the launcher ---------
 #: the deep-learning frameworks (Keras is checked for the runtime and the launcher alone)
 FRAMEWORKS = ("tensorflow", "jax", "jaxlib", "torch")
 #: the packages that may import a framework
 FRAMEWORK_HOMES = ("mgpu_launch.backends", "mgpu_launch.bench")
 #: the lazy exceptions docs/architecture.md names: (module, framework)
-FRAMEWORK_EXCEPTIONS = {("mgpu_launch.training.data", "tensorflow"),
-                        ("mgpu_launch.training.patches.fit", "torch")}
+FRAMEWORK_EXCEPTIONS = {("mgpu_launch.training.data", "tensorflow")}
 #: the layers that import no Keras either ("runtime/: no Keras, no framework")
 KERAS_FREE = ("mgpu_launcher", "mgpu_launch.runtime", "mgpu_launch.config")
 
@@ -487,7 +496,7 @@ def framework_offences(sources: Dict[str, str]) -> List[str]:
 def test_frameworks_are_imported_only_by_the_engines():
     sources = dict(_sources("mgpu_launch"), **_sources("mgpu_launcher"))
     offences = framework_offences(sources)
-    assert not offences, ("a framework import outside engines/ and bench/ (casting, collectives "
+    assert not offences, ("a framework import outside backends/ and bench/ (casting, collectives "
                           "and devices are engine work: add an Engine method):\n"
                           + "\n".join(offences))
 
@@ -507,11 +516,9 @@ def test_the_framework_check_fails_on_planted_imports():
 BACKENDS = ("tensorflow", "jax", "torch")
 #: the modules that may name a backend, each with why
 NAMES_BACKENDS = {
-    "mgpu_launch.backends": "the engines: one per backend, chosen in engines/__init__.py",
+    "mgpu_launch.backends": "one folder per backend, registered in backends/__init__.py",
     "mgpu_launch.bench": "mgpu-bench: its native baselines are per framework",
-    "mgpu_launch.training.patches": "which Keras classes to patch differs per backend",
     "mgpu_launch.horovod.tensorflow_api": "Horovod's TensorFlow namespace needs that backend",
-    "mgpu_launch.config.devices": "JAX's pinning rule (to move into backends/jax/)",
 }
 
 
@@ -537,7 +544,8 @@ def backend_offences(sources: Dict[str, str]) -> List[str]:
 
 
 def test_only_the_engines_and_the_patches_name_a_backend():
-    offences = backend_offences(_sources("mgpu_launch"))
+    # the launcher too: what it must know of a backend is the backend's facts (the registry)
+    offences = backend_offences(dict(_sources("mgpu_launch"), **_sources("mgpu_launcher")))
     assert not offences, ("a backend named outside the engines (ask the engine instead, or "
                           "key the patch registry by engine name):\n" + "\n".join(offences))
 
@@ -545,18 +553,20 @@ def test_only_the_engines_and_the_patches_name_a_backend():
 def test_the_backend_check_fails_on_a_planted_name():
     source = 'import keras\nif keras.backend.backend() == "torch":\n    TABLE = {"jax": 1}\n'
     assert backend_offences({"mgpu_launch.training.planted": source,
-                             "mgpu_launch.backends.planted": source}) == [
+                             "mgpu_launch.backends.planted": source,
+                             "mgpu_launcher.planted": 'if backend != "jax":\n    pass\n'}) == [
         "mgpu_launch.training.planted line 2: 'torch'",
-        "mgpu_launch.training.planted line 3: 'jax'"]
+        "mgpu_launch.training.planted line 3: 'jax'",
+        "mgpu_launcher.planted line 1: 'jax'"]
 
 
-# -- the engine interface: every engine method called outside engines/ is declared -------------
-#: the calls that give an engine (engines/__init__.py's dispatcher, and helpers named _engine)
+# -- the engine interface: every engine method called outside backends/ is declared ------------
+#: the calls that give an engine (backends/__init__.py's dispatcher, and helpers named _engine)
 ENGINE_GETTERS = ("get_engine", "get_engine_or_default", "graph_collectives", "_engine")
 
 
 def declared_engine_methods() -> Set[str]:
-    """Every method and attribute the interfaces of engines/api.py declare."""
+    """Every method and attribute the interfaces of backends/api.py declare."""
     tree = ast.parse((ROOT / "mgpu_launch" / "backends" / "api.py").read_text())
     names = set()
     for node in tree.body:
@@ -576,20 +586,35 @@ def _gives_engine(node: ast.AST) -> bool:
     return name in ENGINE_GETTERS
 
 
+#: parameter names that hold an engine passed in (``def _feed(..., engine, ...)``)
+ENGINE_PARAMETERS = ("engine",)
+#: attributes of ``self`` that hold an engine (``self._engine = backends.get_engine()``)
+ENGINE_ATTRIBUTES = ("_engine", "engine")
+
+
+def _holds_engine(node: ast.AST, bound: Set[str]) -> bool:
+    """A getter's result, a name bound to one or a parameter named for one, or ``self._engine``."""
+    return (_gives_engine(node) or (isinstance(node, ast.Name) and node.id in bound)
+            or (isinstance(node, ast.Attribute) and node.attr in ENGINE_ATTRIBUTES
+                and _own_object(node.value)))
+
+
 def engine_calls(source: str) -> List[tuple]:
     """(line, attribute) of every attribute read on an engine: on a getter's result directly
-    (``engines.get_engine().watch``) or on a name bound to one (``engine = get_engine()``)."""
+    (``backends.get_engine().watch``), on a name bound to one (``engine = get_engine()``) or a
+    parameter that holds one (``def f(engine)``), or on ``self._engine``."""
     tree = ast.parse(source)
     bound = {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
              and _gives_engine(node.value) for target in node.targets
              if isinstance(target, ast.Name)}
+    bound |= {node.arg for node in ast.walk(tree)
+              if isinstance(node, ast.arg) and node.arg in ENGINE_PARAMETERS}
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load) and (
-                _gives_engine(node.value)
-                or (isinstance(node.value, ast.Name) and node.value.id in bound)):
+        if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)
+                and _holds_engine(node.value, bound)):
             found.append((node.lineno, node.attr))
-    return found
+    return sorted(found)
 
 
 def undeclared_engine_calls(sources: Dict[str, str]) -> List[str]:
@@ -601,9 +626,9 @@ def undeclared_engine_calls(sources: Dict[str, str]) -> List[str]:
 
 def test_every_engine_method_called_is_declared_by_an_interface():
     assert {"reduce_gradients", "compiles_collectives", "name"} <= declared_engine_methods()
-    offences = undeclared_engine_calls(_sources("mgpu_launch"))
-    assert not offences, ("an engine method called outside engines/ that no interface in "
-                          "engines/api.py declares (declare it there, on the concern it "
+    offences = undeclared_engine_calls(dict(_sources("mgpu_launch"), **_sources("mgpu_launcher")))
+    assert not offences, ("an engine method called outside backends/ that no interface in "
+                          "backends/api.py declares (declare it there, on the concern it "
                           "belongs to):\n" + "\n".join(offences))
 
 
@@ -618,13 +643,29 @@ def test_the_interface_check_fails_on_a_planted_call():
         "mgpu_launch.training.planted line 5: engine.ring_allgather"]
 
 
+def test_the_interface_check_sees_engines_passed_in_held_and_in_the_launcher():
+    source = ('def feed(epoch_iterator, engine):\n'
+              '    return engine.prefetch_source(epoch_iterator, None), engine._watched\n'
+              'class Report:\n'
+              '    def __init__(self, backends):\n'
+              '        self._engine = backends.get_engine()\n'
+              '    def run(self):\n'
+              '        return self._engine.time_gradient_reduction([], None), self._engine.fusion\n')
+    assert undeclared_engine_calls({"mgpu_launch.training.planted": source,
+                                    "mgpu_launcher.planted": source}) == [
+        "mgpu_launch.training.planted line 2: engine._watched",
+        "mgpu_launch.training.planted line 7: engine.fusion",
+        "mgpu_launcher.planted line 2: engine._watched",
+        "mgpu_launcher.planted line 7: engine.fusion"]
+
+
 def _interfaces_in_api() -> List[str]:
     tree = ast.parse((ROOT / "mgpu_launch" / "backends" / "api.py").read_text())
     return [node.name for node in tree.body if isinstance(node, ast.ClassDef)]
 
 
 def _bases_by_class() -> Dict[str, Set[str]]:
-    """Every class of engines/ -> the names of its bases (api.X read as X)."""
+    """Every class of backends/ -> the names of its bases (api.X read as X)."""
     found = {}
     for path in (ROOT / "mgpu_launch" / "backends").rglob("*.py"):
         for node in ast.parse(path.read_text()).body:
@@ -645,3 +686,180 @@ def test_docs_draw_every_engine_interface_and_who_implements_it():
     assert adding == ["TensorFlowEngine"] and drawn["GraphCollectives"].endswith(
         "TensorFlowEngine only")
     assert all("Engine;" in line for name, line in drawn.items() if name != "GraphCollectives")
+
+
+# -- values down: no mgpu option read off a Keras optimizer or an engine by name -----------------
+def _distributed_option_names() -> Set[str]:
+    tree = ast.parse((ROOT / "mgpu_launch" / "training" / "optimizer_options.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "DistributedOptions":
+            return {item.target.id for item in node.body if isinstance(item, ast.AnnAssign)}
+    raise AssertionError("DistributedOptions is not in training/optimizer_options.py")
+
+
+#: what must flow down as a value (StepOptions, GradientReduction, set_skip_allreduce), never
+#: be looked up by name on whatever object is at hand: the DistributedOptimizer's options (and
+#: the value that holds them), the profile's switch, the flag a patch once read off optimizers
+OPTION_NAMES = _distributed_option_names() | {"options", "skip_allreduce",
+                                              "_mgpu_device_learning_rate"}
+#: the one door: finds a model's DistributedOptimizer by its options' type (each with why)
+READS_OPTIONS = {"mgpu_launch.training.optimizer_options":
+                 "distributed_optimizer(model): the options found by their type"}
+
+
+def option_lookups(source: str) -> List[str]:
+    """``getattr`` / ``hasattr`` / ``setattr`` / ``delattr`` with an option's name, and an option
+    assigned onto an object other than ``self`` (``options`` aside: a word too common), by line."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in _ATTRIBUTE_CALLS and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant) and node.args[1].value in OPTION_NAMES):
+            found.append(f"line {node.lineno}: {node.func.id}(..., {node.args[1].value!r})")
+        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+              and node.attr in OPTION_NAMES - {"options"} and not _own_object(node.value)):
+            found.append(f"line {node.lineno}: {ast.unparse(node)} = ...")
+    return sorted(found, key=lambda line: int(line.split()[1].rstrip(":")))
+
+
+def option_offences(sources: Dict[str, str]) -> List[str]:
+    return [f"{name} {found}" for name, source in sorted(sources.items())
+            if name not in READS_OPTIONS for found in option_lookups(source)]
+
+
+def test_no_option_is_looked_up_by_name():
+    assert {"cuda_graph", "backward_passes_per_step"} <= OPTION_NAMES
+    offences = option_offences(dict(_sources("mgpu_launch"), **_sources("mgpu_launcher")))
+    assert not offences, ("an mgpu option read or written by name on an optimizer or engine "
+                          "(hand it down as a value: reduction.StepOptions, "
+                          "GradientReduction, engine.set_skip_allreduce):\n"
+                          + "\n".join(offences))
+
+
+def test_the_option_check_fails_on_planted_lookups():
+    source = ('def wrap(model, engine):\n'
+              '    if getattr(model.optimizer, "cuda_graph", None):\n'
+              '        engine.skip_allreduce = True\n'
+              '    optimizer._mgpu_device_learning_rate = True\n'
+              '    return hasattr(engine, "skip_allreduce")\n'
+              'class Engine:\n'
+              '    def __init__(self):\n'
+              '        self.skip_allreduce = False\n')
+    assert option_offences({"mgpu_launch.backends.planted": source,
+                            "mgpu_launch.training.optimizer_options": source}) == [
+        "mgpu_launch.backends.planted line 2: getattr(..., 'cuda_graph')",
+        "mgpu_launch.backends.planted line 3: engine.skip_allreduce = ...",
+        "mgpu_launch.backends.planted line 4: optimizer._mgpu_device_learning_rate = ...",
+        "mgpu_launch.backends.planted line 5: hasattr(..., 'skip_allreduce')"]
+
+
+# -- a fourth backend: one new folder plus at most 3 lines elsewhere (docs/architecture.md) -------
+#: what every backend folder holds: its facts (__init__.py), its engine, its Keras patch set
+BACKEND_MODULES = {"__init__.py", "engine.py", "patches.py"}
+#: the places outside backends/<name>/ that name a backend, one line each: the registry, the
+#: extra in pyproject.toml and the case in scripts/test.sh (docs and tests aside)
+BACKEND_LINES = ("mgpu_launch/backends/__init__.py", "pyproject.toml", "scripts/test.sh")
+
+
+def backend_folders(root: pathlib.Path = ROOT) -> List[str]:
+    return sorted(path.parent.name for path in (root / "mgpu_launch" / "backends").glob(
+        "*/__init__.py"))
+
+
+def fourth_backend_offences(root: pathlib.Path = ROOT) -> List[str]:
+    """What would make a new backend cost more than its folder and the three lines."""
+    offences = []
+    folders = backend_folders(root)
+    for name in folders:
+        folder = root / "mgpu_launch" / "backends" / name
+        missing = BACKEND_MODULES - {path.name for path in folder.glob("*.py")}
+        if missing:
+            offences.append(f"backends/{name}/ lacks {sorted(missing)}")
+        facts = ast.parse((folder / "__init__.py").read_text())
+        if not any(isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "FACTS" for t in node.targets)
+                for node in facts.body):
+            offences.append(f"backends/{name}/__init__.py declares no FACTS")
+        if imported_tops((folder / "__init__.py").read_text()) & set(FRAMEWORKS):
+            offences.append(f"backends/{name}/__init__.py imports a framework (the launcher "
+                            f"reads it)")
+    registry = (root / "mgpu_launch" / "backends" / "__init__.py").read_text()
+    for name in folders:
+        registered = [line for line in registry.splitlines()
+                      if line.strip() == f"_{name}.FACTS,"]
+        if len(registered) != 1:
+            offences.append(f"backends/__init__.py: {len(registered)} registry lines for {name}")
+    for place in BACKEND_LINES[1:]:
+        text = (root / place).read_text()
+        for name in folders:
+            if not any(line.lstrip().startswith((f"{name} =", f"{name})", f"{name}|"))
+                       or f"|{name})" in line for line in text.splitlines()):
+                offences.append(f"{place} has no line for {name}")
+    return offences
+
+
+def test_a_fourth_backend_is_one_folder_and_three_lines():
+    assert backend_folders() == sorted(BACKENDS)
+    offences = fourth_backend_offences()
+    assert not offences, ("a backend needs more than its folder and the three lines "
+                          "docs/architecture.md promises:\n" + "\n".join(offences))
+    # and nothing outside the folders names one (the backend-name check above reads the
+    # library and the launcher; its exceptions are the bench's baselines and Horovod's TF names)
+    assert set(NAMES_BACKENDS) == {"mgpu_launch.backends", "mgpu_launch.bench",
+                                   "mgpu_launch.horovod.tensorflow_api"}
+
+
+def test_the_fourth_backend_check_fails_on_a_planted_half_backend(tmp_path):
+    import shutil
+    for place in ("mgpu_launch/backends", "scripts"):
+        shutil.copytree(ROOT / place, tmp_path / place)
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    planted = tmp_path / "mgpu_launch" / "backends" / "openvino"
+    planted.mkdir()
+    (planted / "__init__.py").write_text("import openvino\nimport torch\n")
+    (planted / "engine.py").write_text("")
+    assert fourth_backend_offences(tmp_path) == [
+        "backends/openvino/ lacks ['patches.py']",
+        "backends/openvino/__init__.py declares no FACTS",
+        "backends/openvino/__init__.py imports a framework (the launcher reads it)",
+        "backends/__init__.py: 0 registry lines for openvino",
+        "pyproject.toml has no line for openvino",
+        "scripts/test.sh has no line for openvino"]
+
+
+# -- the control plane: MPI behind one transport module ---------------------------------------
+#: the one module that may import mpi4py or hold a communicator (``.comm``): the MPI transport;
+#: everything else talks through mgpu_launch.runtime.transport.Transport (state.transport)
+MPI_HOME = "mgpu_launch.runtime.transport_mpi"
+
+
+def mpi_offences(sources: Dict[str, str]) -> List[str]:
+    """Imports of mpi4py and uses of a ``.comm`` attribute outside MPI_HOME."""
+    offences = []
+    for name, source in sorted(sources.items()):
+        if name == MPI_HOME:
+            continue
+        if "mpi4py" in imported_tops(source):
+            offences.append(f"{name} imports mpi4py")
+        offences += [f"{name} line {node.lineno}: .comm" for node in ast.walk(ast.parse(source))
+                     if isinstance(node, ast.Attribute) and node.attr == "comm"]
+    return offences
+
+
+def test_only_the_mpi_transport_touches_mpi():
+    sources = dict(_sources("mgpu_launch"), **_sources("mgpu_launcher"))
+    assert MPI_HOME in sources
+    offences = mpi_offences(sources)
+    assert not offences, ("MPI used outside the MPI transport (call the runtime's transport, "
+                          "mgpu_launch.runtime.state.transport, instead):\n" + "\n".join(offences))
+
+
+def test_the_mpi_check_fails_on_a_planted_use():
+    planted = ("def total(state, x):\n    from mpi4py import MPI\n"
+               "    return state.comm.allreduce(x, op=MPI.SUM)\n")
+    sources = {"mgpu_launch.runtime.planted": planted, MPI_HOME: planted,
+               "mgpu_launcher.planted": "import mpi4py.MPI\n",
+               "mgpu_launch.horovod.planted": "def init(comm=None):\n    return comm\n"}
+    assert mpi_offences(sources) == ["mgpu_launch.runtime.planted imports mpi4py",
+                                     "mgpu_launch.runtime.planted line 3: .comm",
+                                     "mgpu_launcher.planted imports mpi4py"]

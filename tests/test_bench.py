@@ -49,7 +49,7 @@ def test_cpu_run_writes_the_table_the_json_and_the_plot(cpu_run, backend):
     result, out = cpu_run
     jobs = 3 if WITH_MIRRORED else 2  # (the mirrored job at 2 processes is skipped on CPU)
     assert f"[1/{jobs}] {backend}" in result.stdout and f"[2/{jobs}] " in result.stdout
-    assert "gpus |     img/s | speedup | efficiency" in result.stdout
+    assert "gpus |   samples/s | speedup | efficiency | first step s" in result.stdout
     document = json.loads((out / "results.json").read_text())
     assert {"machine", "cpu_count", "versions", "date", "command", "method", "device"} <= set(
         document["header"])
@@ -73,7 +73,14 @@ def test_cpu_run_writes_the_table_the_json_and_the_plot(cpu_run, backend):
     (["--model", "vgg16"], "unknown vgg16; expected one or more of: resnet50, inceptionv3"),
     (["--backend", "mxnet"], "unknown mxnet; expected one or more of: tensorflow, jax, torch"),
     (["--cpu", "--steps", "2", "--window", "5"], "need at least one timed window"),
-    (["--cpu", "--native"], "the native reference is torchvision ResNet-50 on GPUs"),
+    (["--cpu", "--backend", "torch+jit"],
+     "unknown torch+jit; expected one or more of: tensorflow, jax, torch, torch+cudagraph, "
+     "torch+compile, native, native+compile, mirrored"),
+    (["--cpu", "--model", "mlp-tiny", "--data", "recipe"],
+     "--data recipe: the keras-hub recipe (mgpu.data.shard of a tf.data of token ids) is for "
+     "the transformer models"),
+    (["--cpu", "--model", "gpt2-tiny-lm", "--data", "host-uint8"],
+     "--data host-uint8: uint8 pixels are for image models, and gpt2-tiny-lm takes token ids"),
     (["--gpus", "1,2,64"], "asked for 64 GPUs, but this machine shows"),
     (["--cpu", "--cuda-graph", "0,on"], "unknown on; expected one or more of: 0, 1"),
     (["--cpu", "--data-format", "channels_last,nchw"],
@@ -263,3 +270,119 @@ def test_a_silent_job_is_killed_at_its_timeout(tmp_path):
                     str(tmp_path / "job.log"), 2)
     assert code == 124 and time.monotonic() - started < 20
     assert (tmp_path / "job.log").read_text().splitlines()[0] == "started"
+
+
+#: the transformer runs are torch's: its eager step starts fastest on CPU (JAX and TensorFlow
+#: compile the step for longer than these runs take); the other passes leave them out
+TORCH_PASS = pytest.mark.skipif(BACKEND != "torch", reason="runs in the torch pass of the suite")
+
+
+@pytest.fixture(scope="module")
+def transformer_run(tmp_path_factory):
+    """``mgpu-bench --cpu --gpus 1,2`` of gpt2-tiny-lm, Keras-torch (device and recipe data)
+    beside native torch.
+
+    Returns:
+        (its CompletedProcess, its results.json as a dict)
+    """
+    out = tmp_path_factory.mktemp("bench_transformer_run")
+    result = assert_ok(bench("--cpu", "--gpus", "1,2", "--model", "gpt2-tiny-lm", "--steps", "4",
+                             "--window", "2", "--warmup-steps", "1", "--backend", "torch,native",
+                             "--data", "device,recipe", "--out", str(out)))
+    return result, json.loads((out / "results.json").read_text())
+
+
+@TORCH_PASS
+@pytest.mark.job
+@requires_mpirun
+def test_a_transformer_reports_tokens_per_second_and_its_first_step(transformer_run):
+    pytest.importorskip("keras_hub")
+    pytest.importorskip("tensorflow")  # the recipe mode's tf.data
+    result, document = transformer_run
+    rows = document["rows"]
+    assert [(r["backend"], r["gpus"], r["data"]) for r in rows] == [
+        ("torch", 1, "device"), ("torch", 1, "recipe"), ("torch", 2, "device"),
+        ("torch", 2, "recipe"), ("native", 1, "device"), ("native", 2, "device")], \
+        explain(result)
+    for row in rows:
+        assert row["model"] == "gpt2-tiny-lm" and row["unit"] == "tokens/s"
+        assert row["tokens_per_sample"] == 32 and row["rate"] > 0
+        assert row["rate"] == pytest.approx(32 * row["img_per_sec"], rel=1e-3)
+        assert row["first_step_s"] > 0 and len(row["per_rank_img_per_sec"]) == row["gpus"]
+        assert row["compiled"] is False
+    assert [r["speedup"] for r in rows if r["gpus"] == 1] == [1.0, 1.0, 1.0]
+    assert "Keras torch gpt2-tiny-lm float32" in result.stdout
+    assert "native torch gpt2-tiny-lm float32" in result.stdout
+    assert "gpus |    tokens/s | speedup | efficiency | first step s" in result.stdout
+    assert " tokens/s (" in result.stdout and " sequences/s)" in result.stdout
+
+
+@TORCH_PASS
+@pytest.mark.job
+@pytest.mark.slow  # torch.compile of a GPT-2 step takes ~70 s on a loaded 2-core box
+@requires_mpirun
+def test_native_rows_come_eager_and_compiled(tmp_path):
+    result = assert_ok(bench("--cpu", "--gpus", "1", "--model", "gpt2-tiny-lm", "--steps", "4",
+                             "--window", "2", "--warmup-steps", "1",
+                             "--backend", "native,native+compile", "--out", str(tmp_path)))
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [(r["backend"], r["compiled"]) for r in rows] == [("native", False),
+                                                             ("native+compile", True)]
+    assert all(r["rate"] > 0 and r["first_step_s"] > 0 for r in rows)
+    # compiling the step is the first step's wait: longer than the eager first step
+    assert rows[1]["first_step_s"] > rows[0]["first_step_s"], explain(result)
+    markdown = (tmp_path / "results.md").read_text()
+    assert "| rate | unit | samples/s |" in markdown and "| native+compile | gpt2-tiny-lm |" \
+        in markdown
+    assert "native torch.compile gpt2-tiny-lm" in result.stdout
+
+
+def test_backend_names_pick_the_job_and_name_its_rows():
+    from mgpu_launch import bench as tool
+    from mgpu_launch.bench import jobs, names
+    args = tool.parse_args(["--cpu", "--model", "gpt2-tiny-lm", "--cuda-graph", "0,1",
+                            "--backend", "torch,torch+cudagraph,torch+compile,native,"
+                                         "native+compile,jax"])
+    assert args.backends == ["torch", "torch+cudagraph", "torch+compile", "native",
+                             "native+compile", "jax"]
+
+    def command(backend):
+        return jobs.command(args, backend, "gpt2-tiny-lm", "float32", "channels_last", 1,
+                            "r.json")
+
+    def option(line, name):
+        return line[line.index(name) + 1]
+    assert option(command("torch"), "--cuda-graph") == "0,1"  # both rows from one job
+    assert option(command("torch+cudagraph"), "--cuda-graph") == "1"
+    assert option(command("torch+compile"), "--cuda-graph") == "0"
+    assert "--compile" in command("torch+compile") and "--compile" not in command("torch")
+    for backend, module in (("native", "mgpu_launch.bench.native"),
+                            ("native+compile", "mgpu_launch.bench.native")):
+        line = command(backend)
+        assert module in line and ("--compile" in line) == (backend == "native+compile")
+        assert "--prefetch" not in line
+    environments = {b: jobs.environment(args, b, 1) for b in args.backends}
+    assert [environments[b].get("KERAS_BACKEND") for b in ("torch+compile", "torch+cudagraph",
+                                                           "jax")] == ["torch", "torch", "jax"]
+    assert environments["native+compile"]["MGPU_ENGINE"] == "none"
+    captured = {"cuda_graph": True, "cuda_graph_steps": {"replayed": 3}}
+    fell_back = {"cuda_graph": True, "cuda_graph_steps": {"replayed": 0}}
+    assert names.row_backend("torch", {"cuda_graph": False}) == "torch"
+    assert names.row_backend("torch", captured) == "torch+cudagraph"
+    assert names.row_backend("torch+cudagraph", captured) == "torch+cudagraph"
+    assert names.row_backend("torch+cudagraph", fell_back) == "torch+cudagraph-fell-back"
+    assert names.display("native+compile") == "native torch.compile"
+
+
+def test_transformer_models_have_their_units_and_batches():
+    import numpy as np
+    gpt2, bert = MODELS["gpt2-small-lm"], MODELS["bert-base-classifier"]
+    assert (gpt2.unit, gpt2.tokens_per_sample, gpt2.batch_per_gpu) == ("tokens/s", 256, 32)
+    assert (bert.unit, bert.tokens_per_sample, bert.batch_per_gpu) == ("tokens/s", 128, 32)
+    assert MODELS["resnet50"].unit == "img/s" and MODELS["mlp"].unit == "samples/s"
+    x, y = gpt2.synthetic(np, gpt2.input_shape, 2, np.random.default_rng(0))
+    assert x["token_ids"].shape == x["padding_mask"].shape == y.shape == (2, 256)
+    assert x["token_ids"].max() < 8192 and x["padding_mask"].all()
+    x, y = bert.synthetic(np, bert.input_shape, 2, np.random.default_rng(0))
+    assert set(x) == {"token_ids", "segment_ids", "padding_mask"} and y.shape == (2,)
+    assert y.max() < 2

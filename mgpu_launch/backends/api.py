@@ -1,34 +1,42 @@
 """What an engine is: one small interface per concern the rest of mgpu_launch asks of it.
 
 An engine is the backend's side of data-parallel training (one per Keras backend; the
-dispatcher in ``engines/__init__.py`` picks it from ``keras.backend.backend()``). What the
+dispatcher in ``backends/__init__.py`` picks it from ``keras.backend.backend()``). What the
 layers above call on it falls into the concerns below, each an abstract class of a few
-methods. ``engines.Engine`` implements all but the last with defaults (a backend overrides
-what it does differently); the TensorFlow engine adds :class:`GraphCollectives`.
+methods with no default: ``backends.Engine`` joins all but the last, and an engine missing a
+method cannot be made (``TypeError`` at construction). What engines share is a named mixin of
+``backends/shared.py`` that each engine lists in its own class statement;
+the TensorFlow engine adds :class:`GraphCollectives`. The shared pieces, by interface:
+Feeding ``KerasFeeding``; TrainStep ``KerasTrainStep``, ``HostBroadcast``; GradientReducer
+``DenseReduction``; ProcessSetSupport ``GroupCheck``, ``HasProcessSets``, ``EveryRankOnly``;
+InStepCollectives ``GatherBySum``; ReductionTiming ``DefaultReductionTiming``; HorovodQueries
+``NoBuildInfo``; Lifecycle ``NoCommunicator`` (the fallback ``backends.KerasOnly`` only).
 
-interface           asked by                                   implemented by (overrides)
+interface           asked by                                   implemented by
 Lifecycle           mgpu.init() / shutdown()                   Engine; TF, JAX, torch
 Feeding             the epoch-iterator patch, the prefetcher   Engine; TF, JAX, torch
 TrainStep           the fit patches, the first-step sync       Engine; TF, JAX, torch
 GradientReducer     DistributedOptimizer, tape, Horovod ops    Engine; TF, JAX, torch
-ProcessSetSupport   the optimizer, Horovod's process sets      Engine; TF, torch, JAX (why not)
+ProcessSetSupport   the optimizer, Horovod's process sets      Engine; TF, torch, JAX
 InStepCollectives   SyncBatchNormalization                     Engine; TF, JAX, torch
 ReductionTiming     the efficiency report                      Engine; TF, JAX, torch
 HorovodQueries      hvd.nccl_built(), cuda_built(), ...        Engine; TF
+KerasPatches        training.patches (installed once)          Engine; TF, JAX, torch
 GraphCollectives    mgpu_launch.tensorflow's ops, TF's jit     TensorFlowEngine only
 
 Every method is called on every rank in the same order (most are collectives or prepare
-one). ``tests/test_architecture.py`` fails when code outside ``engines/`` calls an engine
+one). ``tests/test_architecture.py`` fails when code outside ``backends/`` calls an engine
 method that no interface here declares: duck-typed reach into one backend's engine is what
 these classes replace. A caller that needs :class:`GraphCollectives` gets the engine through
-``engines.graph_collectives()``, which says so when the backend has none.
+``backends.graph_collectives()``, which says so when the backend has none.
 """
 
 import abc
 from typing import Any, List, Sequence
 
 __all__ = ["Lifecycle", "Feeding", "TrainStep", "GradientReducer", "ProcessSetSupport",
-           "InStepCollectives", "ReductionTiming", "HorovodQueries", "GraphCollectives",
+           "InStepCollectives", "ReductionTiming", "HorovodQueries", "KerasPatches",
+           "GraphCollectives",
            "INTERFACES"]
 
 
@@ -66,6 +74,12 @@ class Feeding(abc.ABC):
         """Whether the prefetch thread may begin the next epoch's batches before this epoch
         ends (where the data allows it) without changing what Keras's feeding gives."""
 
+    @abc.abstractmethod
+    def runs_sharded_tf_data_ahead(self) -> bool:
+        """Whether a ``tf.data`` that ``mgpu.data.shard`` made may begin its next epoch while
+        this one ends: only where Keras makes one iterator of it per epoch (JAX), since each
+        iterator made draws the next reshuffle seed (TensorFlow's Keras makes two)."""
+
 
 class TrainStep(abc.ABC):
     """The compiled train step: who builds it, what runs inside it, the first step's copy."""
@@ -79,8 +93,9 @@ class TrainStep(abc.ABC):
         """Keras's one-step function for `model`, built by the engine."""
 
     @abc.abstractmethod
-    def wrap_train_function(self, model, function):
-        """Keras's train function as the engine runs it (torch: CUDA graphs)."""
+    def wrap_train_function(self, model, function, options):
+        """Keras's train function as the engine runs it (torch: CUDA graphs); `options`: the
+        model's optimizer's ``reduction.StepOptions``, handed down."""
 
     @abc.abstractmethod
     def localize(self, tree):
@@ -99,8 +114,9 @@ class TrainStep(abc.ABC):
         """Whether `variables` have values the host can read now."""
 
     @abc.abstractmethod
-    def step_advice(self, model) -> str:
-        """A setting that makes `model`'s train step itself faster here ("" when none)."""
+    def step_advice(self, model, options) -> str:
+        """A setting that makes `model`'s train step itself faster here ("" when none);
+        `options`: as in :meth:`wrap_train_function`."""
 
     @abc.abstractmethod
     def broadcast_variables(self, variables: Sequence[Any], root_rank: int,
@@ -188,6 +204,12 @@ class ReductionTiming(abc.ABC):
     def overlaps_backward(self) -> bool:
         """Whether the reduction runs while the backward pass still computes."""
 
+    @abc.abstractmethod
+    def set_skip_allreduce(self, skip: bool) -> bool:
+        """Leave the gradient allreduce out of the steps compiled from now on (`skip`), or put
+        it back: mgpu-bench's profile, which times the step without it. Returns whether this
+        engine can (False: nothing changed)."""
+
 
 class HorovodQueries(abc.ABC):
     """What Horovod's ``nccl_built()``, ``cuda_built()``, ... report."""
@@ -195,6 +217,17 @@ class HorovodQueries(abc.ABC):
     @abc.abstractmethod
     def build_info(self) -> dict:
         """``{"cuda": bool, "rocm": bool, "nccl": bool}`` of the backend's build."""
+
+
+class KerasPatches(abc.ABC):
+    """The backend's own replacements of Keras methods, as a value (no table elsewhere is keyed
+    by a backend's name); ``mgpu_launch.training.patches`` installs them once, with the shared
+    ones."""
+
+    @abc.abstractmethod
+    def keras_patches(self, hooks):
+        """This backend's ``keras_patching.PatchSet``, its replacements built on `hooks` (a
+        ``keras_patching.Hooks``: what the training layer hands down)."""
 
 
 class GraphCollectives(abc.ABC):
@@ -219,4 +252,5 @@ class GraphCollectives(abc.ABC):
 
 #: every interface, in the order of the module docstring's table
 INTERFACES = (Lifecycle, Feeding, TrainStep, GradientReducer, ProcessSetSupport,
-              InStepCollectives, ReductionTiming, HorovodQueries, GraphCollectives)
+              InStepCollectives, ReductionTiming, HorovodQueries, KerasPatches,
+              GraphCollectives)

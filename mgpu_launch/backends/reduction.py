@@ -36,8 +36,28 @@ import dataclasses
 import numbers
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
-__all__ = ["GradientReduction", "TensorSpec", "Bucket", "Scales", "plan", "scales",
+__all__ = ["GradientReduction", "StepOptions", "TensorSpec", "Bucket", "Scales", "plan", "scales",
            "scale_once"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """What a model's ``DistributedOptimizer`` asks of the train step the engine runs: handed
+    to ``Engine.wrap_train_function`` and ``Engine.step_advice`` as a value (made by
+    ``DistributedOptions.step_options``), so no engine reads options off a Keras optimizer.
+
+    Attributes:
+        cuda_graph: capture the torch step in a CUDA graph (True / False), or None to follow
+            ``MGPU_TORCH_CUDA_GRAPH``.
+        backward_passes_per_step: gradients of this many batches make one update (a step
+            that decides on the host whether to apply cannot be captured).
+        within_a_set: the gradients are reduced within a process set (torch's compiled step
+            is not: it stays eager).
+    """
+
+    cuda_graph: Optional[bool] = None
+    backward_passes_per_step: int = 1
+    within_a_set: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

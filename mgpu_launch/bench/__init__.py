@@ -2,11 +2,15 @@
 
     mgpu-bench --model resnet50 --backend jax,torch --precision float32,mixed_bfloat16 \\
         --gpus 1,2 --native --out bench-results
+    mgpu-bench --model gpt2-small-lm --precision mixed_bfloat16 --gpus 1 \
+        --backend native,native+compile,torch,torch+compile,jax,tensorflow --data device,recipe
     mgpu-bench --cpu --gpus 1,2 --model mlp-tiny --steps 5          # any machine, no GPU
 
-What is measured (the seed study's method): images (samples) per second of ``model.fit`` on
-synthetic data of the model's real input shape, summed over the processes; speedup =
-img/s(N) / img/s(1) and efficiency = speedup / N, always from runs of the SAME invocation
+What is measured (the seed study's method): samples per second of ``model.fit`` on
+synthetic data of the model's real input shape, summed over the processes, shown in the
+model's unit (``unit``, ``rate``: img/s for image models, tokens/s for the transformers, whose
+sequences/s are ``img_per_sec``); speedup = rate(N) / rate(1) and efficiency = speedup / N,
+always from runs of the SAME invocation
 (shared machines drift between invocations). Every GPU count is its own job started through
 the launcher (``mgpu-train -np N``), one process per GPU, with ``mgpu.DistributedOptimizer``.
 
@@ -14,16 +18,24 @@ Timing: each rank reads the loss back at the end of the warm-up and every ``--wi
 after it (that waits for the device); each window's rate is ``window x batch / seconds``; a
 rank's figure is the median window, the job's the sum over ranks.
 
+Every row also has ``first_step_s``: its fit's first train step, compilation included (the
+user's wait before training starts; the first row of a compiled function carries it).
+
 Input (``--data``; several give several rows from one compiled model):
   device  one batch already on the device, every step (input feeding excluded);
   host    numpy batches from a PyDataset, copied to the device by Keras (and by mgpu's
           prefetch thread unless ``--prefetch 0``);
   host-uint8  the same as uint8 pixels (a quarter of the bytes), cast to the model's float
           input inside the compiled step, on the device: what image pipelines ship;
-  numpy   ``fit(x, y, batch_size=...)`` on in-memory arrays, shuffled: Keras slices every batch.
+  numpy   ``fit(x, y, batch_size=...)`` on in-memory arrays, shuffled: Keras slices every batch;
+  recipe  transformers: the README's keras-hub recipe, ``mgpu.data.shard`` of a ``tf.data`` of
+          the token ids (shuffled, batched and prefetched by shard; needs TensorFlow).
 
-``--native`` adds torchvision ResNet-50 + DistributedDataParallel (data on the device) as the
-"what the hardware does without Keras" reference, for ``--model resnet50`` on GPUs.
+Backends (``--backend``, one row name each; ``names.py``): tensorflow, jax, torch,
+torch+cudagraph, torch+compile (``jit_compile=True``), mirrored, and the references native
+(the model in plain torch, eager, + DistributedDataParallel, data on the device) and
+native+compile (``torch.compile`` of its whole step), for every model, on GPUs or ``--cpu``;
+``--native`` is the same as adding native.
 ``--backend ...,mirrored`` adds Keras 3 + tf.distribute.MirroredStrategy: ONE process over the
 N GPUs the N-process jobs use, same model, batch per GPU, precision, data modes and timing as the
 tensorflow row (``mirrored.py``); with ``--cpu`` it runs at 1 only (one CPU device to mirror).
@@ -48,17 +60,18 @@ import platform
 import secrets
 import shlex
 import subprocess
+import signal
 import sys
 import time
 from typing import Dict, List, Optional
 
 from mgpu_launch.config import devices
-from mgpu_launch.bench import jobs, report, result_file, resume
+from mgpu_launch.bench import jobs, names, report, result_file, resume
 from mgpu_launch.bench.models import MODELS
 from mgpu_launch.bench.worker import DATA_FORMATS
 from mgpu_launch.runtime import folders
 
-BACKENDS = ("tensorflow", "jax", "torch", "native", "mirrored")
+BACKENDS = names.BACKENDS
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")
 DATA_MODES = result_file.DATA_MODES
 
@@ -77,9 +90,11 @@ def get_parser() -> argparse.ArgumentParser:
     add("--model", default="resnet50",
         help=f"comma-separated, of: {', '.join(MODELS)} (default: %(default)s)")
     add("--backend", default=os.environ.get("KERAS_BACKEND", "tensorflow"),
-        help="comma-separated Keras backends, and/or native (the reference, see --native) "
-             "and mirrored (Keras-TF + tf.distribute.MirroredStrategy, one process over the "
-             "same GPUs); default: KERAS_BACKEND, else tensorflow")
+        help=f"comma-separated, of: {', '.join(BACKENDS)}: Keras backends under mgpu "
+             f"(torch+cudagraph: the step in a CUDA graph; torch+compile: jit_compile=True), "
+             f"the native torch references (native: eager; native+compile: torch.compile of "
+             f"the step) and mirrored (Keras-TF + tf.distribute.MirroredStrategy, one process "
+             f"over the same GPUs); default: KERAS_BACKEND, else tensorflow")
     add("--precision", default="float32",
         help=f"comma-separated Keras dtype policies, of: {', '.join(PRECISIONS)}")
     add("--gpus", default="1,2", help="process counts, comma-separated (default: %(default)s)")
@@ -98,8 +113,8 @@ def get_parser() -> argparse.ArgumentParser:
         help="torch backend: comma-separated MGPU_TORCH_CUDA_GRAPH values; 0,1 measures the "
              "eager step and the step captured in a CUDA graph in the same job (default: 0)")
     add("--native", action="store_true",
-        help="also run torchvision ResNet-50 + DDP (needs torch, torchvision and GPUs); "
-             "the same as adding native to --backend")
+        help="also run the model in plain torch + DDP, eager (torchvision for resnet50 and "
+             "inceptionv3); the same as adding native to --backend")
     add("--steps-per-execution", default="1",
         help="comma-separated Keras steps_per_execution values, one row each (default: 1)")
     add("--recorder", default="on",
@@ -166,9 +181,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                      f">= 1) after at least one warm-up step (it compiles the model)")
     if args.native and "native" not in args.backends:
         args.backends.append("native")
-    if "native" in args.backends and (args.cpu or args.models != ["resnet50"]):
-        parser.error("--native: the native reference is torchvision ResNet-50 on GPUs; use it "
-                     "with --model resnet50 and without --cpu")
+    images = [m for m in args.models if MODELS[m].transformer is None]
+    tokens = [m for m in args.models if MODELS[m].transformer is not None]
+    if "recipe" in args.data_modes and (images or "mirrored" in args.backends):
+        parser.error(f"--data recipe: the keras-hub recipe (mgpu.data.shard of a tf.data of "
+                     f"token ids) is for the transformer models "
+                     f"({', '.join(m for m in MODELS if MODELS[m].transformer)}) under mgpu; "
+                     f"got --model {','.join(images) or args.model}"
+                     f"{' and mirrored' if 'mirrored' in args.backends else ''}: leave "
+                     f"recipe out or run those in another invocation")
+    if "host-uint8" in args.data_modes and tokens:
+        parser.error(f"--data host-uint8: uint8 pixels are for image models, and "
+                     f"{', '.join(tokens)} takes token ids; use host (or device, recipe)")
     if not args.cpu:
         gpus = devices.visible_gpus()
         if max(args.gpu_counts) > len(gpus):
@@ -207,6 +231,7 @@ def run_all(args) -> int:
     for number, (backend, model, precision, data_format, gpus) in enumerate(to_run, 1):
         label = jobs.job_label(backend, model, precision, data_format, gpus)
         result = os.path.join(out, "logs", f"{label}.json")
+        fresh = jobs.result_path(os.path.join(out, "logs"), label, args.invocation)
         log = os.path.join(out, "logs", f"{label}.log")
         layout = "" if data_format == "channels_last" else f" {data_format}"
         print(f"[{number}/{len(to_run)}] {backend} {model} {precision}{layout} on {gpus} "
@@ -219,14 +244,17 @@ def run_all(args) -> int:
             print(f"    reused from {previous['date']}: {result}", flush=True)
             status = 0
         else:
-            if os.path.lexists(result):  # an earlier call's: the job writes its own
-                os.unlink(result)
+            for stale in [result] + jobs.stale_results(os.path.join(out, "logs"), label):
+                if os.path.lexists(stale):  # an earlier call's: the job writes its own
+                    os.unlink(stale)
             status = jobs.run(jobs.command(args, backend, model, precision, data_format, gpus,
-                                           result),
+                                           fresh),
                               jobs.environment(args, backend, gpus), log, args.timeout)
         try:
-            if status == 0 and not measured:
-                measured = result_file.read(result)
+            if status == 0 and not measured:  # this run's own file, then under the job's name
+                measured = result_file.read(fresh)
+                os.replace(fresh, result)
+                jobs.claim_traces(fresh, result)
         except (OSError, ValueError) as error:
             status = f"0, but its result is unusable: {error}"
         if status != 0:
@@ -237,14 +265,13 @@ def run_all(args) -> int:
         measured, args.digests[label] = measured
         workers.setdefault(backend, measured)
         for row in measured["rows"]:
-            shown = backend
-            if row.get("cuda_graph"):  # say so when the step could not be captured
-                replayed = (row.get("cuda_graph_steps") or {}).get("replayed", 0)
-                shown += "+cudagraph" if replayed else "+cudagraph-fell-back"
+            if isinstance(row.get("timeline"), str):  # as the job wrote it, under its run's name
+                row = dict(row, timeline=jobs.trace_name(row["timeline"]))
+            shown = names.row_backend(backend, row)  # says so when capture failed
             rows.append(dict(row, backend=shown, precision=precision, gpus=gpus))
             variant = f", {row['variant']}" if row.get("variant") else ""
             print(f"    {shown} {row['data']}{layout}, prefetch {row['prefetch']}{variant}: "
-                  f"{row['img_per_sec']:.0f} img/s", flush=True)
+                  f"{report.rate_words(row)}", flush=True)
         print(f"    done in {time.monotonic() - started:.0f} s", flush=True)
         if number < len(to_run):  # keep what is measured if the invocation is cut short
             report.add_scaling(rows)
@@ -285,9 +312,10 @@ def make_header(args, workers: Dict[str, dict], seconds: float) -> dict:
         "versions": {backend: w.get("versions") for backend, w in workers.items()},
         "method": (f"model.fit on synthetic data; per rank the median of "
                    f"{args.steps // args.window} windows of {args.window} steps after "
-                   f"{args.warmup_steps} warm-up steps (loss read back per window); img/s "
-                   f"summed over ranks; speedup and efficiency against 1 process of the same "
-                   f"invocation" + (
+                   f"{args.warmup_steps} warm-up steps (loss read back per window); samples/s "
+                   f"summed over ranks, shown in the model's unit (img/s, tokens/s); speedup "
+                   f"and efficiency against 1 process of the same invocation; first_step_s: "
+                   f"the fit's first train step, compilation included, slowest rank" + (
                        "; mirrored: one process, tf.distribute.MirroredStrategy over the first "
                        "N GPUs (the CPU at 1 with --cpu), global batch N x batch per GPU, Keras's "
                        "default jit_compile" if "mirrored" in args.backends else "")),
@@ -302,5 +330,18 @@ def make_header(args, workers: Dict[str, dict], seconds: float) -> dict:
 
 
 def main(argv=None) -> int:
-    """The ``mgpu-bench`` console script (also ``python -m mgpu_launch.bench``)."""
-    return run_all(parse_args(argv))
+    """The ``mgpu-bench`` console script (also ``python -m mgpu_launch.bench``).
+
+    Ctrl-C or SIGTERM stops the running job first (see :mod:`mgpu_launch.bench.jobs`), then
+    the bench, with 128 + the signal's number and no traceback; ``results.json`` keeps the jobs
+    done before, for ``--resume``.
+    """
+    args = parse_args(argv)
+    try:
+        return run_all(args)
+    except (jobs.Stopped, KeyboardInterrupt) as error:
+        signum = getattr(error, "signum", signal.SIGINT)
+        print(f"mgpu-bench: stopped by {signal.Signals(signum).name}; the running job was "
+              f"stopped too (the jobs done before are in {args.out}: finish with --resume)",
+              file=sys.stderr, flush=True)
+        return 128 + signum

@@ -6,7 +6,8 @@
 What a TensorFlow user has without mgpu-launch: ONE process that replicates the model over N
 GPUs (the same GPUs the driver gave the N-process job: it sets ``CUDA_VISIBLE_DEVICES`` to
 them), the textbook recipe: build and compile under ``strategy.scope()`` with Keras's default
-``jit_compile`` and ``SGD(0.0125 x N, momentum=0.9)``, global batch = N x ``--batch-per-gpu``.
+``jit_compile`` and the model's optimizer at N times its rate (``models.py``: SGD(0.0125 x N,
+momentum=0.9); AdamW for the transformers), global batch = N x ``--batch-per-gpu``.
 No mgpu code runs in the step (no ``mgpu.init()``, no ``DistributedOptimizer``): the gradients
 are summed by the strategy's own cross-device ops (NCCL on GPUs). With no GPU, ``--gpus 1``
 mirrors over the CPU device (the CPU test runs it end to end); more replicas need GPUs.
@@ -34,7 +35,8 @@ import time
 from mgpu_launch.bench import profile
 from mgpu_launch.bench.models import MODELS
 from mgpu_launch.bench.worker import (StepTimer, device_name, get_parser, make_window_timer,
-                                      median_rate, synthetic_batches, versions)
+                                      median_rate, synthetic_batches, throughput_fields,
+                                      versions)
 from mgpu_launch.runtime import folders
 
 
@@ -97,8 +99,7 @@ def main(argv=None) -> None:
     started = time.monotonic()
     with strategy.scope():
         model = spec.build(keras, shape)
-        model.compile(optimizer=keras.optimizers.SGD(0.0125 * args.gpus, momentum=0.9),
-                      loss="sparse_categorical_crossentropy")
+        model.compile(**spec.compile_arguments(keras, learning_rate_scale=args.gpus))
     synthetic = synthetic_batches(np, spec, shape, global_batch, seed=0)
     total = args.warmup_steps + args.steps
     progress(f"mirrored {args.model} over {', '.join(devices)} built "
@@ -119,8 +120,8 @@ def main(argv=None) -> None:
 
     def fit(mode: str, callback) -> None:
         if mode == "numpy":
-            x = np.concatenate([synthetic["host"][i % 4][0] for i in range(total)])
-            y = np.concatenate([synthetic["host"][i % 4][1] for i in range(total)])
+            x, y = keras.tree.map_structure(lambda *parts: np.concatenate(parts), *[
+                synthetic["host"][i % 4] for i in range(total)])
             model.fit(x, y, batch_size=global_batch, epochs=1, shuffle=True, verbose=0,
                       callbacks=[callback])
         elif mode == "device":
@@ -144,12 +145,14 @@ def main(argv=None) -> None:
                      "data_format": keras.config.image_data_format(),
                      "batch_per_gpu": batch, "params": model.count_params(),
                      "img_per_sec": round(rate, 1), "per_rank_img_per_sec": [round(rate, 1)],
+                     **throughput_fields(spec, rate),
+                     "first_step_s": round(timer.first_step, 2),
                      "processes": 1, "replicas": strategy.num_replicas_in_sync,
                      "devices": devices, "strategy": type(strategy).__name__,
                      "jit_compile": bool(model.jit_compile),
                      "step_ms": round(1000 * global_batch / rate, 2),
                      "train_function_host_ms": host_ms, "train_function_device_ms": None})
-        progress(f"data {mode}: {rate:.0f} img/s; in the train function {host_ms} ms host")
+        progress(f"data {mode}: {rate:.0f} samples/s; in the train function {host_ms} ms host")
         if args.profile:
             clock = profile.make_callback(keras, args.warmup_steps)
             fit(mode, clock)

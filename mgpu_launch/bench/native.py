@@ -1,14 +1,21 @@
-"""One rank of mgpu-bench's native reference: torchvision ResNet-50 + DistributedDataParallel.
+"""One rank of mgpu-bench's native rows: the model in plain torch, + DistributedDataParallel.
 
     MGPU_ENGINE=none mgpu-train -np 2 -m mgpu_launch.bench.native --result r.json \\
-        --precision mixed_bfloat16
+        --model gpt2-small-lm --precision mixed_bfloat16 [--compile]
 
-No Keras: what the GPUs do with a textbook torch loop. ``--data-format channels_last`` (the
-default) keeps the model and the batch in ``torch.channels_last`` memory format (NHWC in memory),
-``channels_first`` in contiguous NCHW; torch's logical shape is NCHW either way. One random batch
-resident on the device, SGD momentum 0.9; the Keras policy names map to autocast (bfloat16 / float16
-with a GradScaler) or plain float32. mgpu-launch only starts the processes and shares the
-rendezvous address. Timing and the result file are the Keras worker's (``worker.py``).
+No Keras: what the hardware does with a textbook torch loop, for every mgpu-bench model (the
+models: ``native_models.py``). ``--compile`` (the ``native+compile`` row) runs
+``torch.compile`` of the whole step (zero_grad, forward, loss, backward, optimizer step; torch
+splits it where it must, e.g. at backward); without it the step is eager (``native``). One
+random batch resident on the device (a GPU when there is one, else the CPU), DDP at 2+
+processes (NCCL on GPUs, gloo on CPU). Optimizer as the Keras rows': SGD momentum 0.9 for the
+image and vector models, AdamW (weight decay 0.01; fused on GPUs) for the transformers. The
+Keras policy names map to autocast (bfloat16 / float16 with a GradScaler) or plain float32.
+``--data-format channels_last`` (the default) keeps image models and batches in
+``torch.channels_last`` memory, ``channels_first`` in contiguous NCHW; torch's logical shape is
+NCHW either way. mgpu-launch only starts the processes and shares the rendezvous address.
+Timing and the result file are the Keras worker's (``worker.py``); ``first_step_s`` is the
+first step's wall time, compilation included, synchronized.
 """
 
 import datetime
@@ -19,7 +26,9 @@ import time
 
 import mgpu_launch as mgpu
 from mgpu_launch import runtime
-from mgpu_launch.bench.worker import parse_args, progress
+from mgpu_launch.bench import native_models
+from mgpu_launch.bench.models import MODELS
+from mgpu_launch.bench.worker import parse_args, progress, throughput_fields
 from mgpu_launch.runtime import folders
 from mgpu_launch.runtime.rendezvous import rendezvous
 
@@ -29,55 +38,93 @@ def main(argv=None) -> None:
     mgpu.init()
     import torch
     import torch.distributed as dist
-    import torchvision
 
-    batch = args.batch_per_gpu or 128
-    device = torch.device("cuda", 0 if torch.cuda.device_count() == 1 else mgpu.local_rank())
-    torch.cuda.set_device(device)
+    spec = MODELS[args.model]
+    batch = args.batch_per_gpu or spec.batch_per_gpu
+    cuda = torch.cuda.is_available()
+    if cuda:
+        device = torch.device("cuda", 0 if torch.cuda.device_count() == 1 else mgpu.local_rank())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
     if mgpu.size() > 1:
         with rendezvous(runtime.state, "MGPU_TORCH_ADDRESS") as address:
-            dist.init_process_group("nccl", init_method=f"tcp://{address}", rank=mgpu.rank(),
-                                    world_size=mgpu.size(), device_id=device,
+            dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{address}",
+                                    rank=mgpu.rank(), world_size=mgpu.size(),
+                                    device_id=device if cuda else None,
                                     timeout=datetime.timedelta(minutes=10))
     layout = {"channels_last": torch.channels_last,
               "channels_first": torch.contiguous_format}[args.data_format]
-    model = torchvision.models.resnet50().to(device, memory_format=layout)
+    torch.manual_seed(mgpu.rank())
+    model, make_batch = native_models.build(args.model)
+    model = model.to(device)
+    if len(spec.input_shape) == 3:
+        model = model.to(memory_format=layout)
+    params = native_models.parameters(model)
     if mgpu.size() > 1:
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index])
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0125 * mgpu.size(), momentum=0.9)
-    loss_fn = torch.nn.CrossEntropyLoss()
-    images = torch.randn(batch, 3, 224, 224, device=device).to(memory_format=layout)
-    labels = torch.randint(0, 1000, (batch,), device=device)
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if cuda else None)
+    if spec.transformer is not None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4 * mgpu.size(),
+                                      weight_decay=0.01, fused=cuda)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0125 * mgpu.size(), momentum=0.9)
+    inputs, labels = make_batch(batch, device, layout)
     half = {"mixed_bfloat16": torch.bfloat16, "mixed_float16": torch.float16}.get(args.precision)
-    scaler = torch.amp.GradScaler("cuda", enabled=half is torch.float16)
-    total = args.warmup_steps + args.steps
-    progress(f"native torchvision resnet50 {args.precision} {args.data_format}: {total} steps")
+    scaler = torch.amp.GradScaler(device.type, enabled=half is torch.float16)
 
-    stamps = []
-    for step in range(total):
+    def train_step(inputs, labels):
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=half or torch.float32, enabled=half is not None):
-            loss = loss_fn(model(images), labels)
+        with torch.autocast(device.type, dtype=half or torch.float32, enabled=half is not None):
+            loss = native_models.loss(model(inputs), labels)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
-        done = step + 1 - args.warmup_steps
-        if done >= 0 and done % args.window == 0:
+        return loss.detach()
+
+    step = torch.compile(train_step) if args.compile else train_step
+    total = args.warmup_steps + args.steps
+    mode = "torch.compile of the step" if args.compile else "eager"
+    progress(f"native {args.model} ({params / 1e6:.2f}M parameters) {args.precision} "
+             f"{args.data_format}, {mode}, on {device.type}: {total} steps")
+
+    def synchronize():
+        if cuda:
             torch.cuda.synchronize()
+
+    stamps = []
+    started = time.perf_counter()
+    for number in range(total):
+        step(inputs, labels)
+        if number == 0:
+            synchronize()
+            first_step = time.perf_counter() - started
+            progress(f"native: first step {first_step:.1f} s")
+        done = number + 1 - args.warmup_steps
+        if done >= 0 and done % args.window == 0:
+            synchronize()
             stamps.append(time.perf_counter())
     per_rank = mgpu.allgather_object(statistics.median(
         args.window * batch / (t1 - t0) for t0, t1 in zip(stamps, stamps[1:])))
-    progress(f"native: {sum(per_rank):.0f} img/s")
+    first_steps = mgpu.allgather_object(first_step)
+    row = {"model": args.model, "data": "device", "prefetch": None, "batch_per_gpu": batch,
+           "data_format": args.data_format, "params": params, "compiled": bool(args.compile),
+           "img_per_sec": round(sum(per_rank), 1),
+           "per_rank_img_per_sec": [round(r, 1) for r in per_rank],
+           "first_step_s": round(max(first_steps), 2),
+           "step_ms": round(1000 * batch * len(per_rank) / sum(per_rank), 2)}
+    row.update(throughput_fields(spec, sum(per_rank)))
+    progress(f"native: {row['rate']:.0f} {row['unit']}")
     if mgpu.is_chief():
-        row = {"model": "resnet50", "data": "device", "prefetch": None, "batch_per_gpu": batch,
-               "data_format": args.data_format,
-               "params": sum(p.numel() for p in model.parameters()),
-               "img_per_sec": round(sum(per_rank), 1),
-               "per_rank_img_per_sec": [round(r, 1) for r in per_rank]}
+        versions = {"python": platform.python_version(), "torch": torch.__version__}
+        try:
+            import torchvision
+            versions["torchvision"] = torchvision.__version__
+        except ImportError:
+            pass
         folders.replace_file(args.result, json.dumps(
-            {"rows": [row], "device": torch.cuda.get_device_name(),
-             "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                          "torchvision": torchvision.__version__}}).encode())
+            {"rows": [row], "versions": versions,
+             "device": torch.cuda.get_device_name() if cuda else "cpu"}).encode())
     if mgpu.size() > 1:
         dist.destroy_process_group()
 

@@ -86,8 +86,7 @@ def skip_allreduce(model, skip: bool) -> bool:
     """
     from mgpu_launch import backends
     engine = backends.get_engine()
-    if not hasattr(engine, "skip_allreduce") or mgpu.size() == 1:
+    if mgpu.size() == 1 or not engine.set_skip_allreduce(skip):
         return False
-    engine.skip_allreduce = skip
     model.train_function = None  # Keras rebuilds (and recompiles) it at the next fit
     return True

@@ -5,12 +5,11 @@ import json
 import os
 from typing import Dict, List, Tuple
 
+from mgpu_launch.bench import names
 from mgpu_launch.runtime import folders
 
 SERIES = ("backend", "model", "precision", "data_format", "data", "prefetch", "batch_per_gpu",
           "variant")
-#: how the reference rows are named; the others are "Keras <backend>"
-NAMES = {"native": "native torch DDP", "mirrored": "Keras + tf.distribute.MirroredStrategy"}
 
 
 def load(path: str) -> dict:
@@ -27,9 +26,29 @@ def label_of(key: Tuple) -> str:
     feed = "device-resident" if data == "device" and backend != "mirrored" else (
         f"{data}, prefetch {prefetch}" if prefetch is not None else data)
     feed += f", {variant}" if variant else ""  # --recorder, --steps-per-execution
-    name = NAMES.get(backend, f"Keras {backend}")
+    name = names.display(backend)
     layout = f" {data_format}" if data_format else ""  # rows of older results have none
     return f"{name} {model} {precision}{layout} ({feed}, batch {batch}/GPU)"
+
+
+def rate_of(row: dict) -> Tuple[float, str]:
+    """(the row's throughput, its unit): ``rate`` in ``unit``; rows of results older than the
+    units give their img/s."""
+    return row.get("rate", row["img_per_sec"]), row.get("unit", "img/s")
+
+
+def rate_words(row: dict) -> str:
+    """The row's throughput for the console: "812345 tokens/s (3173 sequences/s)"."""
+    rate, unit = rate_of(row)
+    if unit == "tokens/s":
+        return f"{rate:.0f} tokens/s ({row['img_per_sec']:.0f} sequences/s)"
+    return f"{rate:.0f} {unit}"
+
+
+def _seconds(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}" if value < 10 else f"{value:.0f}"
 
 
 def add_scaling(rows: List[dict]) -> None:
@@ -52,15 +71,18 @@ def _grouped(rows: List[dict]) -> Dict[Tuple, List[dict]]:
 
 
 def console_table(rows: List[dict]) -> str:
-    """One block per series, the seed study's columns: gpus | img/s | speedup | efficiency."""
+    """One block per series, the seed study's columns: gpus | rate (img/s, tokens/s, ...) |
+    speedup | efficiency, and the first step's seconds."""
     blocks = []
     for key, members in _grouped(rows).items():
-        lines = [label_of(key), "  gpus |     img/s | speedup | efficiency",
-                 "  -----+-----------+---------+-----------"]
+        unit = rate_of(members[0])[1]
+        lines = [label_of(key), f"  gpus | {unit:>11} | speedup | efficiency | first step s",
+                 "  -----+-------------+---------+------------+-------------"]
         for r in sorted(members, key=lambda r: r["gpus"]):
             speedup = f"{r['speedup']:7.2f}" if r["speedup"] is not None else "      -"
             eff = f"{100 * r['efficiency']:9.1f}%" if r["efficiency"] is not None else "         -"
-            lines.append(f"  {r['gpus']:4d} | {r['img_per_sec']:9.1f} | {speedup} | {eff}")
+            lines.append(f"  {r['gpus']:4d} | {rate_of(r)[0]:11.1f} | {speedup} | {eff}  | "
+                         f"{_seconds(r.get('first_step_s')):>12}")
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks) if blocks else "(no results)"
 
@@ -69,18 +91,23 @@ def markdown(header: dict, rows: List[dict]) -> str:
     lines = [f"# mgpu-bench results, {header.get('date', '')}", ""]
     lines += [f"- {key}: `{value}`" if key == "command" else f"- {key}: {value}"
               for key, value in header.items()]
-    lines += ["", "| backend | model | precision | data format | data | prefetch | variant | "
-              "batch/GPU | gpus | img/s | per rank | speedup | efficiency |", "|" + "---|" * 13]
+    lines += ["", "Rate: in the row's unit (tokens/s for the transformers, whose samples are "
+                  "sequences); samples/s per rank; first step: its wall time in seconds, "
+                  "compilation included.", ""]
+    lines += ["| backend | model | precision | data format | data | prefetch | variant | "
+              "batch/GPU | gpus | rate | unit | samples/s | per rank | speedup | efficiency | "
+              "first step s |", "|" + "---|" * 16]
     for r in rows:
         eff = f"{100 * r['efficiency']:.1f}%" if r["efficiency"] is not None else "-"
         speedup = f"{r['speedup']:.2f}" if r["speedup"] is not None else "-"
         per_rank = ", ".join(f"{x:.0f}" for x in r["per_rank_img_per_sec"])
         prefetch = "-" if r["prefetch"] is None else r["prefetch"]
+        rate, unit = rate_of(r)
         lines.append(f"| {r['backend']} | {r['model']} | {r['precision']} | "
                      f"{r.get('data_format', '-')} | {r['data']} | "
                      f"{prefetch} | {r.get('variant') or '-'} | {r['batch_per_gpu']} | "
-                     f"{r['gpus']} | "
-                     f"{r['img_per_sec']:.0f} | {per_rank} | {speedup} | {eff} |")
+                     f"{r['gpus']} | {rate:.0f} | {unit} | {r['img_per_sec']:.0f} | "
+                     f"{per_rank} | {speedup} | {eff} | {_seconds(r.get('first_step_s'))} |")
     return "\n".join(lines + profile_table(rows)) + "\n"
 
 

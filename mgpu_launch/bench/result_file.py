@@ -17,7 +17,9 @@ from mgpu_launch.bench.models import MODELS
 from mgpu_launch.bench.worker import DATA_FORMATS
 from mgpu_launch.runtime import folders
 
-DATA_MODES = ("device", "host", "host-uint8", "numpy")
+DATA_MODES = ("device", "host", "host-uint8", "numpy", "recipe")
+#: what a row's ``rate`` counts (``models.BenchModel.unit``)
+UNITS = ("img/s", "samples/s", "tokens/s")
 #: the largest result file read (a job of 64 rows with per-rank figures of 4096 ranks fits)
 MAX_BYTES = 16 << 20
 MAX_RANKS = 4096
@@ -81,7 +83,14 @@ def _row(row: Any, where: str) -> Dict[str, Any]:
                         f"numbers")
     for rank, rate in enumerate(per_rank):
         _number(rate, f"{where} per_rank_img_per_sec[{rank}]")
-    for key in ("cuda_graph", "recorder"):
+    if "unit" in row or "rate" in row:  # rows of results older than the units have neither
+        _one_of(row.get("unit"), UNITS, f"{where} unit")
+        _number(row.get("rate"), f"{where} rate")
+    if row.get("tokens_per_sample") is not None:
+        _integer(row["tokens_per_sample"], f"{where} tokens_per_sample", 1, 1 << 30)
+    if row.get("first_step_s") is not None:
+        _number(row["first_step_s"], f"{where} first_step_s", high=1e7)
+    for key in ("cuda_graph", "recorder", "compiled"):
         if key in row and not isinstance(row[key], bool):
             raise BadResult(f"{where} {key}: expected true or false, got {str(row[key])[:80]!r}")
     steps = row.get("cuda_graph_steps") or {}

@@ -3,9 +3,17 @@
     mgpu-train -np 2 -m mgpu_launch.bench.worker --result r.json --model resnet50 \\
         --precision float32 --data host,device --prefetch 2
 
-Builds the model once, compiles it with ``mgpu.DistributedOptimizer(SGD(momentum=0.9))`` and
-runs ``model.fit`` once per input mode and prefetch depth on synthetic data; rank 0 writes the
-per-rank rates to ``--result``. Lines with ``[mgpu-bench]`` are progress for the driver.
+Builds the model once, compiles it with ``mgpu.DistributedOptimizer`` of the model's optimizer
+(``models.py``: SGD with momentum 0.9, AdamW for the transformers; ``--compile``:
+``jit_compile=True``, Keras's ``torch.compile`` path on torch) and runs ``model.fit`` once per
+input mode and prefetch depth on synthetic data; rank 0 writes the per-rank rates to
+``--result``. Lines with ``[mgpu-bench]`` are progress for the driver.
+
+Every row has its throughput in the model's unit (``unit``: img/s, samples/s or tokens/s;
+``rate``) beside ``img_per_sec`` (samples per second, whatever the model), and
+``first_step_s``: the wall time of the fit's first train step, the loss read back, on the
+slowest rank. The first row of each train function carries its tracing and compilation; later
+rows reuse the compiled step.
 """
 
 import argparse
@@ -42,6 +50,10 @@ def get_parser(description: str = __doc__.split("\n\n")[0]) -> argparse.Argument
     parser.add_argument("--compression", default="none", choices=["none", "fp16", "bf16"])
     parser.add_argument("--cuda-graph", default="0",
                         help="torch: comma-separated MGPU_TORCH_CUDA_GRAPH values (0, 1)")
+    parser.add_argument("--compile", action="store_true",
+                        help="Keras rows: model.compile(jit_compile=True) (and "
+                             "MGPU_TORCH_COMPILE=1 on torch); native rows: torch.compile of "
+                             "the step")
     parser.add_argument("--data-format", default="channels_last", choices=DATA_FORMATS,
                         help="keras.config.set_image_data_format before the model is built")
     parser.add_argument("--steps-per-execution", default="1",
@@ -65,13 +77,36 @@ def progress(message: str) -> None:
 
 
 def synthetic_batches(np, spec, shape, batch: int, seed: int) -> dict:
-    """Four random (x, y) batches of `shape` per input mode: ``host`` float32 and
-    ``host-uint8`` pixels (what image pipelines ship: a quarter of the bytes; the model's float
-    input layer casts them inside the compiled step, on the device)."""
+    """Four random (x, y) batches of `shape` per input mode: ``host`` (float32 inputs, or a
+    transformer's token ids) and, for image and vector models, ``host-uint8`` pixels (what
+    image pipelines ship: a quarter of the bytes; the model's float input layer casts them
+    inside the compiled step, on the device)."""
     rng = np.random.default_rng(seed)
-    host = [(rng.random((batch,) + tuple(shape), dtype=np.float32),
-             rng.integers(0, spec.classes, (batch,)).astype("int32")) for _ in range(4)]
+    host = [spec.synthetic(np, shape, batch, rng) for _ in range(4)]
+    if spec.transformer is not None:
+        return {"host": host}
     return {"host": host, "host-uint8": [((x * 255).astype(np.uint8), y) for x, y in host]}
+
+
+def throughput_fields(spec, samples_per_sec: float) -> dict:
+    """A row's throughput in the model's own unit: ``unit``, ``rate`` and, for transformers,
+    ``tokens_per_sample`` (rate = samples/s x tokens per sequence)."""
+    tokens = spec.tokens_per_sample
+    fields = {"unit": spec.unit, "rate": round(samples_per_sec * (tokens or 1), 1)}
+    if tokens:
+        fields["tokens_per_sample"] = tokens
+    return fields
+
+
+def recipe_dataset(np, spec, shape, batch: int, batches: int):
+    """The README's keras-hub recipe as the ``recipe`` input mode: one ``tf.data`` of every
+    rank's sequences (the same on every rank, seeded), through ``mgpu.data.shard`` (shuffled,
+    batched, prefetched): `batches` batches of `batch` for this rank."""
+    import tensorflow as tf
+    rng = np.random.default_rng(0)
+    x, y = spec.synthetic(np, shape, batch * batches * mgpu.size(), rng)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y))
+    return mgpu.data.shard(dataset, batch_size=batch, shuffle=True, seed=1)
 
 
 def make_window_timer(keras, args, total: int, report=progress):
@@ -84,8 +119,16 @@ def make_window_timer(keras, args, total: int, report=progress):
         def __init__(self):
             super().__init__()
             self.stamps = []
+            self.begun = self.first_step = None  # the first step's wall time (compilation in)
+
+        def on_train_batch_begin(self, step, logs=None):
+            if self.begun is None:
+                self.begun = time.perf_counter()
 
         def on_train_batch_end(self, step, logs=None):
+            if self.first_step is None:
+                float(logs["loss"])  # waits for the device
+                self.first_step = time.perf_counter() - self.begun
             done = step + 1 - args.warmup_steps  # windows start when the warm-up ends
             if done >= 0 and done % args.window == 0:
                 float(logs["loss"])  # waits for the device
@@ -125,13 +168,15 @@ def main(argv=None) -> None:
     keras.config.set_image_data_format(args.data_format)  # before any layer is built
     started = time.monotonic()
     model = spec.build(keras, spec.shape(args.data_format))
+    arguments = spec.compile_arguments(keras, learning_rate_scale=mgpu.size())
+    if args.compile and keras.backend.backend() == "torch":
+        os.environ["MGPU_TORCH_COMPILE"] = "1"  # mgpu's compiled torch step, where it has one
     model.compile(optimizer=mgpu.DistributedOptimizer(
-        keras.optimizers.SGD(mgpu.scale_lr(0.0125), momentum=0.9),
-        compression=getattr(mgpu.Compression, args.compression)),
-        loss="sparse_categorical_crossentropy")
+        arguments["optimizer"], compression=getattr(mgpu.Compression, args.compression)),
+        loss=arguments["loss"], **({"jit_compile": True} if args.compile else {}))
     shape = spec.shape(args.data_format)
     synthetic = synthetic_batches(np, spec, shape, batch, seed=mgpu.rank())
-    host, host_uint8 = synthetic["host"], synthetic["host-uint8"]
+    host, host_uint8 = synthetic["host"], synthetic.get("host-uint8")
     progress(f"{args.model} built ({model.count_params() / 1e6:.2f}M parameters) in "
              f"{time.monotonic() - started:.0f} s; {args.warmup_steps + args.steps} steps per "
              f"input mode, batch {batch} per process")
@@ -140,7 +185,8 @@ def main(argv=None) -> None:
         def __init__(self, mode: str, total: int):
             super().__init__()
             self.total = total
-            self.batches = {"device": [tuple(keras.ops.convert_to_tensor(a) for a in host[0])],
+            self.batches = {"device": [keras.tree.map_structure(keras.ops.convert_to_tensor,
+                                                                host[0])],
                             "host": host, "host-uint8": host_uint8}[mode]
 
         def __len__(self):
@@ -151,25 +197,27 @@ def main(argv=None) -> None:
 
     def fit(mode: str, total: int, callbacks) -> None:
         if mode == "numpy":
-            x = np.empty((total * batch,) + shape, np.float32)
-            y = np.empty((total * batch,), np.int32)
-            for index in range(total):
-                x[index * batch:(index + 1) * batch], y[index * batch:(index + 1) * batch] = \
-                    host[index % len(host)]
+            x, y = keras.tree.map_structure(lambda *parts: np.concatenate(parts), *[
+                host[index % len(host)] for index in range(total)])
             model.fit(x, y, batch_size=batch, epochs=1, shuffle=True, verbose=0,
+                      callbacks=callbacks)
+        elif mode == "recipe":
+            model.fit(recipe_dataset(np, spec, shape, batch, total), epochs=1, verbose=0,
                       callbacks=callbacks)
         else:
             model.fit(Batches(mode, total), epochs=1, verbose=0, callbacks=callbacks)
 
     def rate(mode: str, timing, recorded: bool) -> tuple:
-        """(this rank's img/s, the efficiency report's text on rank 0 of a recorded row)."""
+        """(this rank's samples/s, its first step's seconds, the efficiency report's text on
+        rank 0 of a recorded row)."""
         total = timing.warmup_steps + timing.steps
         timer = make_window_timer(keras, timing, total)
-        report = efficiency_report.EfficiencyReport(batch) if recorded else None
+        kind = {"recipe": "shard tf.data", "numpy": "arrays"}.get(mode, "PyDataset")
+        report = efficiency_report.EfficiencyReport(batch, kind) if recorded else None
         step_timer.reset()
         fit(mode, total, [timer] + ([report] if report else []))
         text = efficiency.render(report.figures) if report and report.figures else None
-        return median_rate(timer.stamps, timing.window, batch), text
+        return median_rate(timer.stamps, timing.window, batch), timer.first_step, text
 
     def profiled(mode: str, timing) -> dict:
         """Per rank input / wait / step ms (and compute ms where the allreduce can be left out)."""
@@ -223,8 +271,9 @@ def main(argv=None) -> None:
                 name = f"data {mode}, prefetch {depth}, cuda graph {graph}" + (
                     f", {variant}" if variant else "")
                 progress(f"{name}: fit")
-                mine, text = rate(mode, timing, recorder == "on")
+                mine, first_step, text = rate(mode, timing, recorder == "on")
                 per_rank = mgpu.allgather_object(mine)
+                first_step = max(mgpu.allgather_object(first_step))
                 host_ms, device_ms = step_timer.medians()
                 rows.append({"model": args.model, "data": mode, "prefetch": depth,
                              "compression": args.compression, "variant": variant,
@@ -233,14 +282,18 @@ def main(argv=None) -> None:
                              "batch_per_gpu": batch, "params": model.count_params(),
                              "img_per_sec": round(sum(per_rank), 1),
                              "per_rank_img_per_sec": [round(r, 1) for r in per_rank],
+                             **throughput_fields(spec, sum(per_rank)),
+                             "first_step_s": round(first_step, 2),
+                             "compiled": bool(args.compile),
                              "cuda_graph": graph == "1",
                              "cuda_graph_steps": dict(getattr(graphed, "counts", {})),
                              "cuda_graph_fallback": getattr(graphed, "fallback", None),
                              "step_ms": round(1000 * batch * len(per_rank) / sum(per_rank), 2),
                              "train_function_host_ms": host_ms,
                              "train_function_device_ms": device_ms})
-                progress(f"{name}: {sum(per_rank):.0f} img/s; in the train function {host_ms} "
-                         f"ms host, {device_ms} ms device per step")
+                progress(f"{name}: {rows[-1]['rate']:.0f} {spec.unit} (first step "
+                         f"{first_step:.1f} s); in the train function {host_ms} ms host, "
+                         f"{device_ms} ms device per step")
                 if recorder == "on" and len(recorders) > 1:
                     trace = timeline.write(
                         f"{os.path.splitext(args.result)[0]}.timeline-{mode}.json", runtime.state)

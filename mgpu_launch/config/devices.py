@@ -3,7 +3,9 @@
 Pinning differs by Keras backend (see DESIGN.md): TensorFlow and torch get
 ``CUDA_VISIBLE_DEVICES=<gpu>``; JAX must keep every GPU visible (per-process
 CUDA_VISIBLE_DEVICES hangs jax.distributed's topology exchange), so it gets
-``MGPU_LOCAL_DEVICE=<local_rank>`` and the runtime passes ``local_device_ids`` to JAX.
+``MGPU_LOCAL_DEVICE=<local_rank>`` and the runtime passes ``local_device_ids`` to JAX. Which
+rule a backend follows is one of its facts (``mgpu_launch/backends/<name>/__init__.py``); the
+launcher hands it to :func:`pin_gpu`, which knows no backend by name.
 """
 
 import json
@@ -56,11 +58,13 @@ def keras_backend(environ: Optional[Mapping[str, str]] = None) -> str:
         return "tensorflow"
 
 
-def pin_gpu(local_rank: int, local_size: int, environ: MutableMapping[str, str]) -> Optional[str]:
+def pin_gpu(local_rank: int, local_size: int, environ: MutableMapping[str, str], *,
+            by_visible_devices: bool = True) -> Optional[str]:
     """Give this worker GPU number `local_rank` of the visible ones; return its id (None: no GPU).
 
     Sets MGPU_GPU (the id) and MGPU_LOCAL_DEVICE (the index among the visible GPUs) always,
-    and CUDA_VISIBLE_DEVICES for every backend but JAX.
+    and CUDA_VISIBLE_DEVICES where `by_visible_devices` (the backend's facts say which: their
+    ``pins_by_visible_devices``, ``mgpu_launch.backends.facts.BackendFacts``; False for JAX).
 
     Raises:
         PinningError: more workers on this host than visible GPUs.
@@ -76,6 +80,6 @@ def pin_gpu(local_rank: int, local_size: int, environ: MutableMapping[str, str])
     gpu = gpus[local_rank]
     environ["MGPU_GPU"] = gpu
     environ["MGPU_LOCAL_DEVICE"] = str(local_rank)
-    if keras_backend(environ) != "jax":
+    if by_visible_devices:
         environ["CUDA_VISIBLE_DEVICES"] = gpu
     return gpu

@@ -17,6 +17,13 @@ None active means a single process (rank 0 of 1).
 
 Two active environments that describe a job of the same size must agree on the rank; if they do
 not, :class:`DetectionError` names both sets of variables.
+
+Each environment also says how its ranks reach each other (JAX's ``ClusterEnv`` shape: rank,
+size, local rank, coordinator address): its ``CONTROL_PLANE``, the transport its starter
+provides (``"mpi"``: the ranks share an ``MPI_COMM_WORLD``), and, for a plane whose ranks
+meet at a store, the coordinator's ``host:port`` read from its variables (torchrun's
+``MASTER_ADDR`` / ``MASTER_PORT``). mgpu_launch.runtime.transport turns that into the job's
+transport, or refuses a plane it does not have.
 """
 
 import dataclasses
@@ -38,6 +45,10 @@ class Placement:
         local_rank: rank among the processes on this host.
         local_size: number of processes on this host.
         source: name of the environment that told us (``"single"`` when none did).
+        control_plane: how the ranks talk (a key of mgpu_launch.runtime.transport.TRANSPORTS
+            when supported, e.g. ``"mpi"``); None for a single process, which talks to no one.
+        coordinator_address: ``host:port`` where the ranks meet, when the starter names one
+            (torchrun); None where the control plane itself joins them (MPI).
     """
 
     rank: int
@@ -45,9 +56,12 @@ class Placement:
     local_rank: int
     local_size: int
     source: str
+    control_plane: Optional[str] = "mpi"
+    coordinator_address: Optional[str] = None
 
 
-SINGLE_PROCESS = Placement(rank=0, size=1, local_rank=0, local_size=1, source="single")
+SINGLE_PROCESS = Placement(rank=0, size=1, local_rank=0, local_size=1, source="single",
+                           control_plane=None)
 
 
 def _read_int(environ: Mapping[str, str], name: str) -> int:
@@ -61,10 +75,16 @@ def _read_int(environ: Mapping[str, str], name: str) -> int:
 
 
 class Environment:
-    """One launcher's variables. Subclasses name them; `placement` reads and checks them."""
+    """One launcher's variables. Subclasses name them; `placement` reads and checks them.
+
+    ``CONTROL_PLANE`` names the transport the launcher's ranks share (see the module
+    docstring); a launcher whose ranks meet at a coordinator overrides
+    :meth:`coordinator_address`.
+    """
 
     name = ""
     RANK = SIZE = LOCAL_RANK = LOCAL_SIZE = ""
+    CONTROL_PLANE = "mpi"
 
     def is_active(self, environ: Mapping[str, str]) -> bool:
         return self.RANK in environ
@@ -74,6 +94,10 @@ class Environment:
 
     def _local_size(self, environ: Mapping[str, str]) -> int:
         return _read_int(environ, self.LOCAL_SIZE)
+
+    def coordinator_address(self, environ: Mapping[str, str]) -> Optional[str]:
+        """``host:port`` where the ranks meet; None: the control plane joins them itself."""
+        return None
 
     def placement(self, environ: Mapping[str, str]) -> Placement:
         rank, size = _read_int(environ, self.RANK), _read_int(environ, self.SIZE)
@@ -90,7 +114,8 @@ class Environment:
         if not 0 <= local_rank < local_size:
             raise DetectionError(
                 f"{self.name}: {names[2]}={local_rank} is not in [0, {names[3]}={local_size})")
-        return Placement(rank, size, local_rank, local_size, self.name)
+        return Placement(rank, size, local_rank, local_size, self.name, self.CONTROL_PLANE,
+                         self.coordinator_address(environ))
 
 
 class OpenMPI(Environment):
@@ -157,8 +182,21 @@ def expand_tasks_per_node(spec: str) -> Sequence[int]:
 
 
 class TorchRun(Environment):
+    """torchrun (and tools that set its names). Its ranks share no MPI world: they meet at
+    torch's TCP store on the coordinator, ``MASTER_ADDR:MASTER_PORT``."""
+
     name = "torchrun"
     RANK, SIZE, LOCAL_RANK, LOCAL_SIZE = "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"
+    ADDRESS, PORT = "MASTER_ADDR", "MASTER_PORT"
+    CONTROL_PLANE = "torch"
+
+    def coordinator_address(self, environ: Mapping[str, str]) -> Optional[str]:
+        """``MASTER_ADDR:MASTER_PORT``; None unless both are set and the port is a number
+        (only a job on that plane dials it; the others must not fail on a stray variable)."""
+        host, port = environ.get(self.ADDRESS, "").strip(), environ.get(self.PORT, "").strip()
+        if not host or not port.isdigit():
+            return None
+        return f"[{host}]:{int(port)}" if ":" in host else f"{host}:{int(port)}"
 
 
 #: Priority order, strongest evidence first (see the module docstring).

@@ -24,6 +24,10 @@ RESIZE_MARKER = "mgpu-train: stopped for a resize:"
 #: Printed (rank 0, stderr) at every backup point of an elastic job, followed by the point: the
 #: elastic loop tells a failure that repeats at the same point from one after progress.
 BACKUP_MARKER = "mgpu-train: backup point:"
+#: Set by mgpu-train in every rank of a job: a random key, written in front of every marker line
+#: (:func:`line`), so that only the job's own marker lines are read as markers, never a rank's
+#: text that happens to hold a marker string.
+KEY_VARIABLE = "MGPU_MARKER_KEY"
 #: Set to "1" by mgpu-train's elastic mode in every rank.
 ELASTIC_VARIABLE = "MGPU_ELASTIC"
 #: What elastic mgpu-train sends mpirun (which forwards it to every rank) to ask for that stop.
@@ -35,6 +39,17 @@ def resize_requested() -> bool:
     """Whether mgpu-train asked this rank (:data:`RESIZE_SIGNAL`) to stop at a backup point."""
     return bool(_resize_requested)
 
+
+
+def line(marker: str, text: str = "") -> str:
+    """The marker line to print: ``KEY:marker text`` under mgpu-train (:data:`KEY_VARIABLE`),
+    ``marker text`` elsewhere (nobody reads it then).
+
+    The launcher (mgpu_launcher.relay) reads a line as a marker only when it carries its job's
+    key, and shows it without the key.
+    """
+    key = os.environ.get(KEY_VARIABLE, "")
+    return f"{key + ':' if key else ''}{marker}{' ' + text if text else ''}"
 
 
 def describe_exception(error: BaseException, status: int) -> str:
@@ -53,8 +68,8 @@ def abort_job(status: int, reason: str, marker: str = FAILURE_MARKER,
     makes mpirun kill every rank, including those blocked in a collective. Without MPI (the
     program never called ``mgpu.init()``), mpirun ends the job on our non-zero exit.
     """
-    about = f" [{rank}]" if rank is not None else ""
-    print(f"{marker}{about} {reason}", file=sys.stderr, flush=True)
+    about = f"[{rank}] " if rank is not None else ""
+    print(line(marker, f"{about}{reason}"), file=sys.stderr, flush=True)
     sys.stdout.flush()
     sys.stderr.flush()
     mpi = sys.modules.get("mpi4py.MPI")

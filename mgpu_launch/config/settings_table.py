@@ -244,7 +244,8 @@ SETTINGS: Dict[str, Setting] = _declare(
     _("MGPU_BIND_ADDRESS", "ipv4", None, RANKS,
       "the IPv4 address rank 0's listeners bind (stall inspector, JAX coordinator, torch "
       "TCPStore); `0.0.0.0`: every interface, where the address the others dial is not one of "
-      "the host's own (NAT, a service name)", example="0.0.0.0",
+      "the host's own (NAT, a service name); one address is also where the ranks dial them (a "
+      "loopback one is refused for a job on several hosts)", example="0.0.0.0",
       shown_default="the address they are dialled at (`127.0.0.1` on one host)"),
     _("MGPU_TIMELINE", "text", None, RANKS,
       "a Chrome/Perfetto trace of every rank's step phases and host collectives, written by "
@@ -319,6 +320,9 @@ SETTINGS: Dict[str, Setting] = _declare(
       example="0"),
     _("MGPU_PROGRESS_MARKER", "flag", False, INTERNAL,
       "rank 0 prints a marker after its first step (a later failure is worth a restart)"),
+    _("MGPU_MARKER_KEY", "text", None, INTERNAL,
+      "mgpu-train: the job's key in front of the lines a rank prints for the launcher",
+      example="0f1e"),
     _("MGPU_ELASTIC", "flag", False, INTERNAL,
       "elastic mode: the rank notes SIGUSR1, a stop at the next backup point"),
     _("MGPU_RUN_KEY", "text", None, INTERNAL,

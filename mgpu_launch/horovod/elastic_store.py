@@ -15,8 +15,9 @@ a Keras model has no model to save, so its commits are files of their own, kept 
   cannot make rank 0 allocate more than the state; then numpy's loader with pickles refused,
   the JSON through :func:`mgpu_launch.training.epoch_resume.checked_state` (bounded depth, NaN
   and Infinity refused, as the writer's ``allow_nan=False``), the attributes through the
-  state's own check. The arrays are the variables' values and are loaded as they are (a
-  variable may hold Infinity, e.g. a best loss not yet set). A commit that fails a check is
+  state's own check. The arrays are the variables' values: one holding NaN (a diverged step,
+  a damaged file) is refused, naming the variable; Infinity is loaded, with a warning naming
+  it (a variable may hold it, e.g. a best loss not yet set). A commit that fails a check is
   refused on every rank (``BadBackup``), not skipped: in a private folder it means a tampered
   file. A file that cannot be read at all is skipped, with a warning, for the older one.
 
@@ -35,6 +36,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 
 from mgpu_launch.horovod.elastic_state import is_chief, size
+from mgpu_launch import runtime
 from mgpu_launch.runtime import agreement, folders
 from mgpu_launch.training.epoch_resume import BadBackup, checked_state
 
@@ -107,13 +109,15 @@ class CommitStore:
             os.remove(old)
 
     def load_everywhere(self, check_attributes: Callable[[dict], dict],
-                        like: Sequence[np.ndarray]) -> Optional[Loaded]:
+                        like: Sequence[np.ndarray],
+                        names: Sequence[str] = ()) -> Optional[Loaded]:
         """Collective: the newest commit, read by rank 0 and checked; None when there is none.
 
         Args:
             check_attributes: the state's check of the attributes (raises ValueError).
             like: the variables' current values: each array read must have one's shape and
                 dtype.
+            names: the variables' names, for messages (index order; may be empty).
 
         Returns:
             ``(size of the job that wrote it, attributes, arrays)`` on every rank; the arrays
@@ -121,19 +125,20 @@ class CommitStore:
 
         Raises:
             PermissionError: the folder is not rank 0's user's alone (every rank).
-            BadBackup: the newest readable commit fails a check (every rank).
+            BadBackup: the newest readable commit fails a check, a variable holding NaN
+                included (every rank).
         """
         arrays = []  # rank 0's, kept here: only the job size and attributes are broadcast
 
         def load_on_chief():
-            found = self._load_on_chief(check_attributes, like)
+            found = self._load_on_chief(check_attributes, like, names)
             if found is None:
                 return None
             written_by, attributes, read = found
             arrays.append(read)
             return written_by, attributes
 
-        found = agreement.decided_by_root(load_on_chief, {
+        found = agreement.decided_by_root(runtime.state.transport, load_on_chief, {
             folders.UnsafeFolder: lambda why: PermissionError(
                 f"{self.owner}: rank 0 refuses to read or write commits there: {why}"),
             BadBackup: lambda why: BadBackup(
@@ -145,7 +150,7 @@ class CommitStore:
             return None
         return found[0], found[1], arrays[0] if arrays else None
 
-    def _load_on_chief(self, check_attributes, like) -> Optional[Loaded]:
+    def _load_on_chief(self, check_attributes, like, names=()) -> Optional[Loaded]:
         try:
             folder = self._private(create=False)
         except FileNotFoundError:
@@ -163,7 +168,9 @@ class CommitStore:
                               f"commit", stacklevel=3)
                 continue
             try:
-                return _checked(entries, check_attributes, like)
+                loaded = _checked(entries, check_attributes, like)
+                _check_finite(loaded[2], names, self.owner, path)
+                return loaded
             except ValueError as error:
                 raise BadBackup(f"{path}: {error}") from None
         return None
@@ -171,6 +178,40 @@ class CommitStore:
     def delete(self) -> None:
         """Remove the folder (rank 0), unless another user could have redirected it."""
         folders.remove_private(self.folder, "backup_dir", self.owner, "the commits")
+
+
+def _check_finite(arrays: Sequence[np.ndarray], names: Sequence[str], owner: str,
+                  path: str) -> None:
+    """Refuse a commit whose variables hold NaN; warn about Infinity, which a variable may
+    legitimately hold (a best loss not yet set), naming the variables either way.
+
+    NaN is what a diverged step or a damaged file leaves; loading it would only train NaN from
+    there, silently (issue 58). Integer variables hold neither.
+
+    Raises:
+        ValueError: the first variable holding NaN (the caller makes it a ``BadBackup`` on every
+            rank).
+    """
+    infinite = []
+    for index, array in enumerate(arrays):
+        if array.dtype.kind in "iub":
+            continue
+        try:  # float and complex as they are; bfloat16 (ml_dtypes, kind "V") through float64
+            values = array if array.dtype.kind in "fc" else array.astype(np.float64)
+            nan, inf = np.isnan(values), np.isinf(values)
+        except (TypeError, ValueError):
+            continue  # not a number type
+        label = f"variable {index}" + (f" ({names[index]})" if index < len(names) else "")
+        if nan.any():
+            raise ValueError(f"{label} holds NaN ({int(nan.sum())} of {nan.size} values), which "
+                             f"a training that diverged or a damaged file leaves; loading it "
+                             f"would train on NaN")
+        if inf.any():
+            infinite.append(label)
+    if infinite:
+        warnings.warn(f"{owner}: the commit {path}: {', '.join(infinite)} "
+                      f"{'holds' if len(infinite) == 1 else 'hold'} Infinity; loaded as it is "
+                      f"(a value such as a best loss not yet set may be)", stacklevel=4)
 
 
 def _stored(array) -> np.ndarray:

@@ -55,7 +55,7 @@ from mgpu_launch.horovod.support import (Adasum, Average, ProcessSet, Sum, add_p
 from mgpu_launch.runtime import cross_rank, cross_size, is_initialized, local_rank, local_size, rank, shutdown, size
 from mgpu_launcher import python_api as _launch
 from mgpu_launch.backends.compression import Compression
-from mgpu_launch.training import optimizer as _optimizer, patches, saving
+from mgpu_launch.training import optimizer as _optimizer, saving
 from mgpu_launch.training.callbacks import model_state_variables
 from mgpu_launch.training.layers import SyncBatchNormalization
 
@@ -102,10 +102,9 @@ def init(comm=None, process_sets=None) -> None:
         >>> hvd.rank(), hvd.size()
         (0, 2)
     """
-    support.init_runtime(_NAME, comm, process_sets)
-    # Horovod scripts pass compile(experimental_run_tf_function=False), a Keras 2 argument.
-    patches.install_horovod_compile()
-    patches.install_callable_optimizer_variables()  # and call opt.variables()
+    # Horovod scripts pass compile(experimental_run_tf_function=False), a Keras 2 argument,
+    # and call opt.variables(): init() installs those two patches with the others
+    support.init_runtime(_NAME, comm, process_sets, keras_2=("compile", "optimizer_variables"))
 
 
 # -- collectives on values: mgpu_launch.horovod.keras_values (allreduce, allgather, ...) -----

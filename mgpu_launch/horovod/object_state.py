@@ -89,6 +89,10 @@ class ObjectState(State):
         """The tracked variables' values, as host arrays."""
         return []
 
+    def _variable_names(self) -> List[str]:
+        """The tracked variables' names, for messages."""
+        return []
+
     def _assign(self, arrays: List[np.ndarray]) -> None:
         """Give the tracked variables `arrays`' values."""
 
@@ -144,7 +148,8 @@ class ObjectState(State):
         """Load the last commit from disk and make it the snapshot; the size of the job that
         wrote it, or None if there is none. Collective: call it on every rank. The variables
         are set on rank 0 (:meth:`sync`, which :func:`run` calls next, sends them on)."""
-        loaded = self._store.load_everywhere(self._checked, self._arrays())
+        loaded = self._store.load_everywhere(self._checked, self._arrays(),
+                                             self._variable_names())
         if loaded is None:
             return None
         written_by, values, arrays = loaded

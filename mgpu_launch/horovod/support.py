@@ -11,7 +11,7 @@ the reason and what to use instead; every Horovod argument that cannot be honour
 """
 
 import os
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 from mgpu_launch import backends, runtime
 from mgpu_launch.training import bootstrap
@@ -66,7 +66,7 @@ def check_op(namespace: str, op, average=None):
     return collectives.ReduceOp(op) if isinstance(op, str) else op
 
 
-def init_runtime(namespace: str, comm, process_sets) -> None:
+def init_runtime(namespace: str, comm, process_sets, keras_2: Sequence[str] = ()) -> None:
     """``hvd.init(comm, process_sets)``: ``mgpu.init(process_sets)``, with Horovod's switch.
 
     ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` in the environment allows ``add_process_set`` later, as
@@ -83,7 +83,7 @@ def init_runtime(namespace: str, comm, process_sets) -> None:
     if horovod in ("1", "true", "yes", "on") and not settings.is_set("MGPU_DYNAMIC_PROCESS_SETS"):
         # Horovod's variable, read once here: the runtime reads only MGPU_* variables
         os.environ["MGPU_DYNAMIC_PROCESS_SETS"] = "1"
-    bootstrap.init(process_sets=process_sets)
+    bootstrap.init(process_sets=process_sets, keras_2=keras_2)
 
 
 def process_set_group(namespace: str, process_set, what: str, engine_needed: bool = False,
@@ -154,16 +154,14 @@ def mpi_built() -> bool:
 
 
 def mpi_enabled() -> bool:
-    """True on a multi-process job (its host collectives run over MPI)."""
-    return runtime.is_multi_process()
+    """True on a multi-process job whose host collectives run over MPI (its transport)."""
+    return runtime.is_multi_process() and runtime.state.transport.name == "mpi"
 
 
 def mpi_threads_supported() -> bool:
-    """Whether MPI was started with MPI_THREAD_MULTIPLE (mpi4py's default)."""
-    if not runtime.is_multi_process():
-        return False
-    from mpi4py import MPI
-    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+    """Whether MPI was started with MPI_THREAD_MULTIPLE (mpi4py's default): whether two
+    threads may use the job's transport at once."""
+    return mpi_enabled() and runtime.state.transport.thread_safe()
 
 
 def gloo_built() -> bool:

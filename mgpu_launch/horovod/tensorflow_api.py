@@ -47,7 +47,6 @@ from mgpu_launch.horovod.tensorflow_ops import (allgather, allreduce, alltoall, 
 from mgpu_launch.runtime import (collectives, cross_rank, cross_size, is_initialized, local_rank,
                                  local_size, process_sets, rank, shutdown, size)
 from mgpu_launch.backends.compression import Compression
-from mgpu_launch.training import patches
 from mgpu_launch.training.layers import SyncBatchNormalization
 
 _NAME = "mgpu_launch.tensorflow"
@@ -98,8 +97,7 @@ def init(comm=None, process_sets=None) -> None:
         raise ValueError(f"mgpu_launch.tensorflow needs the TensorFlow backend, but "
                          f"KERAS_BACKEND is {keras.backend.backend()!r}. Unset it or set "
                          f"KERAS_BACKEND=tensorflow (mgpu_launch.keras works on every backend).")
-    support.init_runtime(_NAME, comm, process_sets)
-    patches.install_callable_optimizer_variables()
+    support.init_runtime(_NAME, comm, process_sets, keras_2=("optimizer_variables",))
     everyone = collectives.allgather_object(runtime.local_size())
     _homogeneous = len(set(everyone)) == 1
 

@@ -125,6 +125,10 @@ class TensorFlowState(ObjectState):
     def _arrays(self) -> List[np.ndarray]:
         return [np.asarray(variable.numpy()) for variable in self.variables]
 
+    def _variable_names(self) -> List[str]:
+        return [str(getattr(variable, "path", None) or getattr(variable, "name", "?"))
+                for variable in self.variables]
+
     def _assign(self, arrays: List[np.ndarray]) -> None:
         for variable, value in zip(self.variables, arrays, strict=True):
             variable.assign(value)

@@ -3,6 +3,9 @@
 Nothing here imports Keras or a deep-learning framework: a script that only needs the
 topology and the host collectives pays for neither. Its modules, lowest first:
 
+    transport       the control plane: the Transport interface every rank talks through
+                    (objects, buffers, groups) and the one choice of its implementation
+    transport_mpi   the MPI transport (mpi4py), the one module that touches MPI
     auth            the per-job key and the authenticated framing of every message mgpu reads
                     from a socket (the stall inspector's channel, run()'s results)
     folders         the check of every folder mgpu writes into and reads back from (run()'s
@@ -14,25 +17,26 @@ topology and the host collectives pays for neither. Its modules, lowest first:
     trace_files     the timeline's JSON trace format, its atomic writes, merging dumps
     timeline_signals  a rank ended by SIGTERM writes its timeline first
     errors          the layer's exceptions (NotInitializedError, MismatchError, ...)
-    process_set_table  the registered process sets, their MPI sub-communicators, the
+    process_set_table  the registered process sets, their sub-groups of the transport, the
                     engines' listeners
     process_sets    Horovod's process sets: ProcessSet, init's sets, add / remove, the
                     lookup every collective's process_set= goes through
-    this module     init() / shutdown(), the topology (rank, size, local, cross), the MPI
-                    communicator: one state object
-    collectives     host collectives over MPI (allreduce, allgather, broadcast, barrier) with
-                    the mismatch checks that turn a would-be hang into an error, over every
-                    rank or within a process set
+    this module     init() / shutdown(), the topology (rank, size, local, cross), the
+                    transport: one state object
+    collectives     host collectives over the transport (allreduce, allgather, broadcast,
+                    barrier) with the mismatch checks that turn a would-be hang into an
+                    error, over every rank or within a process set
     agreement       one rank decides, every rank raises alike (a refusal never hangs)
     launch          mgpu_launch.run(): a Python function on N ranks from a notebook or script
 
 The layers above (engines, training, horovod) import from here; nothing here imports them.
 
-The process's place in the job, and the MPI communicator behind it: one state object.
+The process's place in the job, and the control plane behind it: one state object.
 
 ``init()`` reads the placement the launcher left in the environment (mgpu_launch.config.environments),
-starts MPI when there is more than one process, and derives the local (same host) and cross
-(same local rank, across hosts) communicators the way Horovod does. With one process and no
+joins the control plane that environment names when there is more than one process
+(``transport.join``: MPI today), and derives the local (same host) and cross
+(same local rank, across hosts) groups the way Horovod does. With one process and no
 launcher it starts nothing: every collective is then a copy, and costs nothing measurable.
 """
 
@@ -41,8 +45,9 @@ import dataclasses
 import sys
 from typing import Any, Callable, List, Optional, Tuple
 
-from mgpu_launch.runtime import auth, process_sets as _process_sets, stall, timeline
+from mgpu_launch.runtime import auth, process_sets as _process_sets, stall, timeline, transport
 from mgpu_launch.runtime.errors import NotInitializedError
+from mgpu_launch.runtime.transport import Transport
 from mgpu_launch.config import markers
 from mgpu_launch.config import environments, settings
 
@@ -59,7 +64,8 @@ class State:
     cross_rank: int = 0
     cross_size: int = 1
     source: str = "single"
-    comm: Any = None  # mpi4py communicator (a duplicate of COMM_WORLD), None on one process
+    #: the control plane every rank joined (runtime.transport.join), None on one process
+    transport: Optional[Transport] = None
     host_address: Optional[str] = None  # as the other hosts dial it (rendezvous.job_host_address)
     job_key: Optional[bytes] = None  # rank 0's random secret of this job (mgpu_launch.runtime.auth)
     previous_excepthook: Any = None
@@ -74,8 +80,8 @@ class State:
 
 state = State()
 
-#: (start(state), stop()) of this layer's services, run by init() after MPI is up and by
-#: shutdown() before it goes (stopped in reverse): the stall inspector and the timeline
+#: (start(state), stop()) of this layer's services, run by init() after the transport is up
+#: and by shutdown() before it goes (stopped in reverse): the stall inspector and the timeline
 #: (MGPU_TIMELINE). The engines and the Keras patches are started above this layer, by
 #: mgpu.init() (mgpu_launch.training.bootstrap), never from here.
 _SERVICES: Tuple[Tuple[Callable[[State], None], Callable[[], None]], ...] = (
@@ -88,22 +94,6 @@ def _abort_on_uncaught(exc_type, exc, tb):
     timeline.dump_own("uncaught exception")  # the collective write at shutdown never comes
     status = 130 if issubclass(exc_type, KeyboardInterrupt) else 1
     markers.abort_job(status, markers.describe_exception(exc, status))
-
-
-def _start_mpi(placement: environments.Placement):
-    from mpi4py import MPI  # initializes MPI (thread level "multiple")
-
-    world = MPI.COMM_WORLD
-    if world.Get_size() != placement.size:
-        raise RuntimeError(
-            f"{placement.source} says this job has {placement.size} processes but MPI's "
-            f"COMM_WORLD has {world.Get_size()}: mgpu-launch talks over MPI, so start the job "
-            f"with mgpu-train -np N, mpirun, or srun --mpi=pmix, not with a launcher that "
-            f"does not start MPI")
-    if world.Get_rank() != placement.rank:
-        raise RuntimeError(f"{placement.source} says rank {placement.rank} but MPI says "
-                           f"{world.Get_rank()}: the launcher variables are stale")
-    return world.Dup()
 
 
 def init(process_sets=None) -> None:
@@ -129,7 +119,9 @@ def init(process_sets=None) -> None:
         mgpu_launch.config.settings.SettingError: an ``MGPU_*`` variable has a bad value (a
             ValueError; the message names the variable, the value and an example).
         mgpu_launch.config.environments.DetectionError: the launcher's variables are contradictory.
-        RuntimeError: the environment and MPI disagree on the job's size or this rank.
+        RuntimeError: the ranks were started by a launcher whose control plane is not
+            supported (the message lists those that are), or the environment and the
+            transport (MPI) disagree on the job's size or this rank.
         ValueError: `process_sets` is neither None, a list of ProcessSet nor "dynamic", holds
             ranks outside the job or the same ranks twice; or a later call passes sets that
             the first did not register.
@@ -156,15 +148,15 @@ def init(process_sets=None) -> None:
                   local_rank=placement.local_rank, local_size=placement.local_size,
                   source=placement.source)
     if placement.size > 1:
-        comm = _start_mpi(placement)
-        local = comm.Split_type(_mpi().COMM_TYPE_SHARED, key=comm.Get_rank())
-        cross = comm.Split(color=local.Get_rank(), key=comm.Get_rank())
-        fresh.local_rank, fresh.local_size = local.Get_rank(), local.Get_size()
-        fresh.cross_rank, fresh.cross_size = cross.Get_rank(), cross.Get_size()
-        local.Free()
-        cross.Free()
-        fresh.comm = comm
-        fresh.job_key = auth.share_job_key(comm)  # MPI: the bootstrap every rank joined through
+        joined = transport.join(placement)  # the one choice of the control plane
+        local = joined.split_by_host()
+        cross = joined.split(color=local.rank, key=joined.rank)
+        fresh.local_rank, fresh.local_size = local.rank, local.size
+        fresh.cross_rank, fresh.cross_size = cross.rank, cross.size
+        local.close()
+        cross.close()
+        fresh.transport = joined
+        fresh.job_key = auth.share_job_key(joined)  # the bootstrap every rank joined through
         fresh.previous_excepthook = sys.excepthook
         sys.excepthook = _abort_on_uncaught
     _process_sets.start(fresh, None if dynamic else process_sets,
@@ -175,11 +167,6 @@ def init(process_sets=None) -> None:
         start(state)
 
 
-def _mpi():
-    from mpi4py import MPI
-    return MPI
-
-
 def shutdown() -> None:
     """Leave the job (runs at exit by itself). Idempotent; ``init()`` may be called again."""
     if not state.initialized:
@@ -187,8 +174,8 @@ def shutdown() -> None:
     for _, stop in reversed(_SERVICES):
         stop()
     _process_sets.stop()
-    if state.comm is not None and not _mpi().Is_finalized():
-        state.comm.Free()
+    if state.transport is not None:
+        state.transport.close()
     if sys.excepthook is _abort_on_uncaught:
         sys.excepthook = state.previous_excepthook
     vars(state).update(vars(State()))

@@ -11,28 +11,29 @@ a rank that already left. The two shapes, each in one function here:
 - :func:`raise_any_rank`: every rank reports its own failure ("" for none); the ranks gather
   them and every rank raises the first rank's.
 
-Both are collectives: call them on every rank alike.
+Both are collectives over the `transport` they are given (the runtime's,
+``mgpu_launch.runtime.state.transport``, or a process set's; None on a one-process job, where
+rank 0 alone decides): call them on every rank of it alike. The runtime's own meetings use
+them too: the stall inspector's and the engines' rendezvous addresses
+(mgpu_launch.runtime.stall, mgpu_launch.runtime.rendezvous).
 """
 
-from typing import Any, Callable, Mapping, Type
+from typing import Any, Callable, List, Mapping, Optional, Tuple, Type
 
-from mgpu_launch.runtime import collectives, state
+from mgpu_launch.runtime.transport import Transport
 
-__all__ = ["decided_by_root", "raise_any_rank"]
-
-def _multi_process() -> bool:
-    return state.initialized and state.size > 1
-
+__all__ = ["decided_by_root", "raise_any_rank", "failures"]
 
 #: the kind of a successful outcome in the broadcast (kind, detail) pair
 _DONE = "done"
 
 
-def decided_by_root(work: Callable[[], Any],
+def decided_by_root(transport: Optional[Transport], work: Callable[[], Any],
                     refusals: Mapping[Type[BaseException], Callable[[str], BaseException]]) -> Any:
     """`work()` on rank 0; its result on every rank, or the same error raised on every rank.
 
     Args:
+        transport: the ranks that agree (rank 0 of it decides); None: this process alone.
         work: what rank 0 alone runs; its result must pickle (it is broadcast).
         refusals: each exception type `work` may raise for a refusal -> the error every rank
             raises, made from the refusal's message. The first type in the mapping that the
@@ -46,36 +47,46 @@ def decided_by_root(work: Callable[[], Any],
         The error the matching refusal makes, on every rank.
 
     Example:
-        >>> found = decided_by_root(lambda: read_newest(folder), {
+        >>> found = decided_by_root(runtime.state.transport, lambda: read_newest(folder), {
         ...     folders.UnsafeFolder: lambda why: PermissionError(f"refused: {why}")})
     """
     kinds = list(refusals)
     outcome = None
-    if state.rank == 0:
+    if transport is None or transport.rank == 0:
         try:
             outcome = (_DONE, work())
         except tuple(kinds) as error:
             kind = next(i for i, cls in enumerate(kinds) if isinstance(error, cls))
             outcome = (kind, str(error))
-    if _multi_process():
-        outcome = collectives.broadcast_object(outcome)
+    if transport is not None:
+        outcome = transport.broadcast_object(outcome, 0)
     kind, detail = outcome
     if kind == _DONE:
         return detail
     raise refusals[kinds[kind]](detail)
 
 
-def raise_any_rank(failure: str, make: Callable[[int, str], BaseException]) -> None:
+def failures(transport: Optional[Transport], failure: str) -> List[Tuple[int, str]]:
+    """Every rank's failure that is not "", as ``(rank, failure)`` in rank order, on every
+    rank (a collective): what :func:`raise_any_rank` raises from, for a caller whose error
+    also counts the failed ranks."""
+    everyone = transport.allgather_object(failure) if transport is not None else [failure]
+    return [(rank, found) for rank, found in enumerate(everyone) if found]
+
+
+def raise_any_rank(transport: Optional[Transport], failure: str,
+                   make: Callable[[int, str], BaseException]) -> None:
     """Raise on every rank when any rank failed: `make(first failing rank, its failure)`.
 
     Args:
+        transport: the ranks that agree; None: this process alone.
         failure: this rank's failure, one line ("" for none).
         make: the error every rank raises, from the first failing rank and its failure.
 
     Example:
-        >>> raise_any_rank(failure, lambda rank, why: RuntimeError(f"rank {rank}: {why}"))
+        >>> raise_any_rank(runtime.state.transport, failure,
+        ...                lambda rank, why: RuntimeError(f"rank {rank}: {why}"))
     """
-    failures = collectives.allgather_object(failure) if _multi_process() else [failure]
-    for rank, found in enumerate(failures):
-        if found:
-            raise make(rank, found)
+    failed = failures(transport, failure)
+    if failed:
+        raise make(*failed[0])

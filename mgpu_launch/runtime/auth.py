@@ -56,9 +56,11 @@ def new_key() -> bytes:
     return secrets.token_bytes(KEY_BYTES)
 
 
-def share_job_key(comm) -> bytes:
-    """Collective: rank 0's fresh job key, on every rank of `comm` (an mpi4py communicator)."""
-    return comm.bcast(new_key() if comm.Get_rank() == 0 else None, root=0)
+def share_job_key(transport) -> bytes:
+    """Collective: rank 0's fresh job key, on every rank of `transport` (the control plane,
+    mgpu_launch.runtime.transport: every rank joined it through its starter, before any socket
+    of ours is open)."""
+    return transport.broadcast_object(new_key() if transport.rank == 0 else None, 0)
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:

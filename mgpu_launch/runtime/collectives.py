@@ -1,4 +1,4 @@
-"""Host-side collectives over MPI for Python numbers and numpy arrays.
+"""Host-side collectives over the control plane (MPI today) for numbers and numpy arrays.
 
 For metrics, flags and small state — not for gradients (those go through the backend engine,
 inside the compiled train step). Every call first compares what each rank passed (shape, dtype,
@@ -7,8 +7,8 @@ silently mixing buffers. On a 1-process job each call returns a copy.
 
 Every collective takes ``process_set=``: None (or ``global_process_set``) for every rank, or a
 registered :class:`~mgpu_launch.runtime.process_sets.ProcessSet`, whose members then run it
-on their own sub-communicator (an average divides by the set's size, an allgather concatenates
-the members' values in rank order, ``root_rank`` is a global rank of a member). A rank outside
+on their own sub-group of the transport (an average divides by the set's size, an allgather
+concatenates the members' values in rank order, ``root_rank`` is a global rank of a member). A rank outside
 the set raises :class:`~mgpu_launch.runtime.process_sets.NotInProcessSetError` at once.
 """
 
@@ -55,7 +55,7 @@ def _check_agreement(what: str, description: Tuple, payload: Any = None,
     differs from the first member's. Returns the members' payloads, in rank order."""
     group = group or process_sets.group_of(None, what)
     with timeline.span(f"host {what} (agreement check)", "collective"):
-        gathered = group.comm.allgather((description, payload))
+        gathered = group.transport.allgather_object((description, payload))
     everyone = [item[0] for item in gathered]
     for index, other in enumerate(everyone):
         if other != everyone[0]:
@@ -115,17 +115,14 @@ def allreduce(value: Any, op: ReduceOp = Average, process_set=None) -> Any:
                          f"mgpu.Max, mgpu.Product")
     group = _group("allreduce", process_set)
     array, restore = _as_array(value, "allreduce")
-    if group.comm is None:
+    if group.transport is None:
         result = array.copy()
     else:
         _check_agreement("allreduce", (("dtype", array.dtype.str), ("shape", array.shape),
                                        ("op", op.value)), group=group)
-        from mpi4py import MPI
-        mpi_op = {ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
-                  ReduceOp.PRODUCT: MPI.PROD}.get(op, MPI.SUM)
-        result = np.empty_like(array)
+        combine = op.value if op in (Min, Max, Product) else "sum"  # an average is a sum first
         with timeline.span(_span("allreduce", group), "collective"):
-            group.comm.Allreduce(array, result, op=mpi_op)
+            result = group.transport.allreduce_array(array, combine)
     if op is Average:
         result = result / group.size
     return restore(result)
@@ -153,17 +150,13 @@ def allgather(value: Any, process_set=None) -> np.ndarray:
     group = _group("allgather", process_set)
     array, _ = _as_array(value, "allgather")
     array = array.reshape(1) if array.ndim == 0 else array
-    if group.comm is None:
+    if group.transport is None:
         return array.copy()
     rows = _check_agreement("allgather", (("dtype", array.dtype.str),
                                           ("shape[1:]", array.shape[1:])), array.shape[0],
                             group=group)
-    row_size = int(np.prod(array.shape[1:], dtype=np.int64))
-    result = np.empty((sum(rows),) + array.shape[1:], dtype=array.dtype)
-    counts = [count * row_size for count in rows]
     with timeline.span(_span("allgather", group), "collective"):
-        group.comm.Allgatherv(array, [result, counts])
-    return result
+        return group.transport.allgather_array(array, rows)
 
 
 def broadcast(value: Any, root_rank: int = 0, process_set=None) -> Any:
@@ -186,14 +179,12 @@ def broadcast(value: Any, root_rank: int = 0, process_set=None) -> Any:
     group = _group("broadcast", process_set)
     root = _check_root(root_rank, group, "broadcast")
     array, restore = _as_array(value, "broadcast")
-    if group.comm is None:
+    if group.transport is None:
         return restore(array.copy())
     _check_agreement("broadcast", (("dtype", array.dtype.str), ("shape", array.shape),
                                    ("root_rank", root_rank)), group=group)
-    result = array.copy()
     with timeline.span(_span("broadcast", group), "collective"):
-        group.comm.Bcast(result, root=root)
-    return restore(result)
+        return restore(group.transport.broadcast_array(array, root))
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, process_set=None) -> Any:
@@ -201,25 +192,25 @@ def broadcast_object(obj: Any, root_rank: int = 0, process_set=None) -> Any:
     dict or an epoch. `root_rank` is a global rank."""
     group = _group("broadcast_object", process_set)
     root = _check_root(root_rank, group, "broadcast_object")
-    if group.comm is None:
+    if group.transport is None:
         return obj
     with timeline.span(_span("broadcast_object", group), "collective"):
-        return group.comm.bcast(obj, root=root)
+        return group.transport.broadcast_object(obj, root)
 
 
 def allgather_object(obj: Any, process_set=None) -> List[Any]:
     """Every rank's (every member's of `process_set`) picklable object, as a list in rank
     order."""
     group = _group("allgather_object", process_set)
-    if group.comm is None:
+    if group.transport is None:
         return [obj]
     with timeline.span(_span("allgather_object", group), "collective"):
-        return group.comm.allgather(obj)
+        return group.transport.allgather_object(obj)
 
 
 def barrier(process_set=None) -> None:
     """Wait until every rank (every member of `process_set`) has reached this call."""
     group = _group("barrier", process_set)
-    if group.comm is not None:
+    if group.transport is not None:
         with timeline.span(_span("barrier", group), "collective"):
-            group.comm.Barrier()
+            group.transport.barrier()

@@ -1,4 +1,4 @@
-"""The table of registered process sets: one :class:`Group` per set, its MPI sub-communicator,
+"""The table of registered process sets: one :class:`Group` per set, its group of the transport,
 and the listeners (engines) told of every set added or removed.
 
 ``mgpu_launch.runtime.process_sets`` is the API (``ProcessSet``, ``add_process_set``, ...);
@@ -20,13 +20,14 @@ class Group:
     Attributes:
         process_set_id: its id (0: every rank).
         ranks: its sorted global ranks.
-        comm: its MPI communicator on a member (the runtime's global one for id 0); None on a
-            non-member and on a one-process job.
+        transport: its sub-group of the control plane on a member (the runtime's global one
+            for id 0; mgpu_launch.runtime.transport); None on a non-member and on a one-process
+            job.
     """
 
     process_set_id: int
     ranks: Tuple[int, ...]
-    comm: Any = None
+    transport: Any = None
 
     @property
     def size(self) -> int:
@@ -64,7 +65,7 @@ class _Job:
     """What the table needs of the runtime, set by ``init()``."""
 
     rank: int = 0
-    comm: Any = None  # the runtime's global communicator (None on one process)
+    transport: Any = None  # the runtime's global transport (None on one process)
     dynamic: bool = False
     next_id: int = 1
 
@@ -76,20 +77,20 @@ Listener = Tuple[Callable[[Group], None], Callable[[Group], None]]
 _listeners: List[Listener] = []
 
 
-def reset(rank: int, size: int, comm, dynamic: bool) -> None:
+def reset(rank: int, size: int, transport, dynamic: bool) -> None:
     """``init()``: forget every set, register the global one (id 0)."""
     _table.clear()
-    vars(_job).update(vars(_Job(rank, comm, bool(dynamic))))
-    _table[0] = Group(0, tuple(range(size)), comm)
+    vars(_job).update(vars(_Job(rank, transport, bool(dynamic))))
+    _table[0] = Group(0, tuple(range(size)), transport)
 
 
 def clear() -> None:
-    """``shutdown()``, before the global communicator goes: free every set's."""
+    """``shutdown()``, before the global transport goes: close every set's."""
     for process_set_id in sorted(_table, reverse=True):
         if process_set_id:
             unregister(process_set_id)
     _table.clear()
-    _job.comm = None
+    _job.transport = None
 
 
 def ready() -> bool:
@@ -136,9 +137,9 @@ def remove_listener(added: Callable[[Group], None], removed: Callable[[Group], N
 
 def agree(what: str, description) -> None:
     """Raise MismatchError on every rank unless all passed the same `description`."""
-    if _job.comm is None:
+    if _job.transport is None:
         return
-    everyone = _job.comm.allgather(description)
+    everyone = _job.transport.allgather_object(description)
     for rank, other in enumerate(everyone):
         if other != everyone[0]:
             raise MismatchError(
@@ -147,17 +148,14 @@ def agree(what: str, description) -> None:
 
 
 def register(ranks: Sequence[int]) -> Group:
-    """A new set of `ranks` (checked by the caller) on every rank: its id, its communicator;
+    """A new set of `ranks` (checked by the caller) on every rank: its id, its transport;
     the listeners are told. A collective over every rank."""
     process_set_id, _job.next_id = _job.next_id, _job.next_id + 1
-    comm = None
-    if _job.comm is not None:
-        from mpi4py import MPI
-        member = _job.rank in ranks
-        # Split is collective over every rank: non-members get COMM_NULL and keep nothing.
-        sub = _job.comm.Split(color=0 if member else MPI.UNDEFINED, key=_job.rank)
-        comm = sub if member else None
-    group = Group(process_set_id, tuple(ranks), comm)
+    sub = None
+    if _job.transport is not None:
+        # split is collective over every rank: non-members pass no color and keep nothing
+        sub = _job.transport.split(color=0 if _job.rank in ranks else None, key=_job.rank)
+    group = Group(process_set_id, tuple(ranks), sub)
     _table[process_set_id] = group
     for added, _ in list(_listeners):
         added(group)
@@ -165,11 +163,9 @@ def register(ranks: Sequence[int]) -> Group:
 
 
 def unregister(process_set_id: int) -> None:
-    """Forget a set (every rank): the listeners are told, its communicator freed."""
+    """Forget a set (every rank): the listeners are told, its transport closed."""
     group = _table.pop(process_set_id)
     for _, removed in list(_listeners):
         removed(group)
-    if group.comm is not None:
-        from mpi4py import MPI
-        if not MPI.Is_finalized():
-            group.comm.Free()
+    if group.transport is not None:
+        group.transport.close()

@@ -2,7 +2,7 @@
 
 A process set is a fixed, sorted list of global ranks. Once registered it has an id (0 is the
 global set, every rank; the others count up from 1 in the order they are registered, the same
-on every rank) and an MPI sub-communicator on its members, so that the host collectives
+on every rank) and a sub-group of the control plane on its members, so that the host collectives
 (``mgpu_launch.runtime.collectives``) and the engines' in-graph collectives can run within it
 while other sets run theirs at the same time. Two ways to register sets, as with Horovod:
 
@@ -11,13 +11,13 @@ while other sets run theirs at the same time. Two ways to register sets, as with
   :func:`add_process_set` / :func:`remove_process_set` at any point, called by every rank of
   the job with the same ranks, in the same order (they are collectives over every rank).
 
-Registration is a collective over the global communicator: the ranks first compare what they
+Registration is a collective over the global transport: the ranks first compare what they
 were given, so a rank that passes other sets raises :class:`MismatchError` on every rank
-instead of hanging in the sub-communicator's creation. A rank outside a set that calls a
+instead of hanging in the sub-group's creation. A rank outside a set that calls a
 collective on it gets :class:`NotInProcessSetError` at once (Horovod: "Rank r is not a
 member of the provided process set"); it does not wait for the members.
 
-The runtime layer only keeps the table and the communicators
+The runtime layer only keeps the table and the sub-groups
 (``mgpu_launch.runtime.process_set_table``). Engines that need a handle of their own per set
 (torch's ``new_group``) register a listener (:func:`add_listener`), which is told about every
 set added or removed, on every rank.
@@ -121,14 +121,14 @@ global_process_set = _GlobalProcessSet()
 
 
 def start(state, process_sets, dynamic: bool) -> None:
-    """Called by ``init()`` once MPI is up: register the global set and `process_sets`.
+    """Called by ``init()`` once the transport is up: register the global set and `process_sets`.
 
     Args:
-        state: the runtime state (rank, size, comm).
+        state: the runtime state (rank, size, transport).
         process_sets: None, or a list of :class:`ProcessSet` (the same on every rank).
         dynamic: allow :func:`add_process_set` / :func:`remove_process_set` later.
     """
-    table.reset(state.rank, state.size, state.comm, dynamic)
+    table.reset(state.rank, state.size, state.transport, dynamic)
     everyone = table.lookup(0).ranks
     if process_sets is not None and not isinstance(process_sets, (list, tuple)):
         raise ValueError(f"init(process_sets={process_sets!r}): expected a list of "
@@ -181,7 +181,7 @@ def check_registered(process_sets) -> None:
 
 
 def stop() -> None:
-    """Called by ``shutdown()`` before the global communicator goes: free every set's."""
+    """Called by ``shutdown()`` before the global transport goes: close every set's."""
     table.clear()
 
 

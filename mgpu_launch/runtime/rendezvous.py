@@ -1,16 +1,18 @@
 """Addresses the ranks can meet at: the rendezvous every engine's framework set-up starts from.
 
-Framework-free (sockets and the MPI communicator only), below the engines: each engine asks
+Framework-free (sockets and the runtime's transport only), below the engines: each engine asks
 for a ``host:port`` here and hands it to its framework (JAX's coordinator, torch's TCP store,
 TensorFlow's servers).
 """
 
 import contextlib
+import errno
 import ipaddress
 import socket
 from typing import Iterator, Optional, Sequence, Tuple
 
 from mgpu_launch.config import settings
+from mgpu_launch.runtime import agreement
 
 
 @contextlib.contextmanager
@@ -89,12 +91,14 @@ def host_address(peers: Sequence[str] = ()) -> str:
 def job_host_address(state) -> str:
     """Collective: this host's address as the job's OTHER hosts dial it (see host_address).
 
-    Every rank must call it (the ranks exchange their host names over MPI), the first time;
+    Every rank must call it (the ranks exchange their host names over the transport), the
+    first time;
     the answer is kept in ``state.host_address`` for the stall inspector and the engines.
     """
     if state.host_address is None:
         own = socket.gethostname()
-        names = state.comm.allgather(own) if state.comm is not None else [own]
+        names = (state.transport.allgather_object(own) if state.transport is not None
+                 else [own])
         state.host_address = host_address(sorted(set(names) - {own}))
     return state.host_address
 
@@ -155,6 +159,59 @@ def bind_host(dial_host: str, job_host: Optional[str] = None) -> str:
     return resolved or dial_host
 
 
+def dial_host(job_host: str, chosen: Optional[str]) -> str:
+    """The address the ranks dial for a listener on rank 0's host: ``MGPU_BIND_ADDRESS``
+    (`chosen`) when it names one address, since the listener is bound there and nowhere else
+    (127.0.0.2 is reachable on its host only at 127.0.0.2); else `job_host`, the job's host
+    address (:func:`job_host_address`), also for ``0.0.0.0`` (every interface)."""
+    if chosen and not ipaddress.ip_address(chosen).is_unspecified:
+        return chosen
+    return job_host
+
+
+def bind_problem(chosen: Optional[str], host_names: Sequence[str]) -> Optional[str]:
+    """Why ``MGPU_BIND_ADDRESS`` (`chosen`) cannot work for a job whose ranks run on the hosts
+    `host_names`, or None: a loopback address is reachable from its own host only, so it is
+    refused for a job on several hosts."""
+    names = sorted(set(host_names))
+    if not chosen or not _is_loopback(chosen) or len(names) < 2:
+        return None
+    shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    return (f"MGPU_BIND_ADDRESS={chosen} is a loopback address, but the job runs on "
+            f"{len(names)} hosts ({shown}): the ranks on the other hosts could never reach rank "
+            f"0's listeners there. Unset MGPU_BIND_ADDRESS (the job's host address is bound), "
+            f"or set it to rank 0's address on the job's network")
+
+
+def checked_bind(state, job_host: str) -> Tuple[str, str]:
+    """Collective: (the address rank 0's listeners bind, the address every rank dials them at),
+    after checking that ``MGPU_BIND_ADDRESS`` can be reached by every rank of the job.
+
+    Raises:
+        RuntimeError: on every rank alike, ``MGPU_BIND_ADDRESS`` is a loopback address and the
+            ranks run on several hosts (:func:`bind_problem`).
+        settings.SettingError: ``MGPU_BIND_ADDRESS`` is not an IPv4 address.
+    """
+    bound = bind_host(job_host)
+    chosen = settings.text("MGPU_BIND_ADDRESS")
+    own = socket.gethostname()
+    names = state.transport.allgather_object(own) if state.transport is not None else [own]
+    problem = bind_problem(chosen, names)
+    if problem:
+        raise RuntimeError(problem)
+    return bound, dial_host(job_host, chosen)
+
+
+def listen_problem(bound: str, error: OSError) -> Optional[str]:
+    """Advice for a listener that could not bind `bound` when the address, not the port, is
+    what is wrong (it is none of this host's), else None."""
+    if error.errno != errno.EADDRNOTAVAIL:
+        return None
+    return (f"MGPU_BIND_ADDRESS={bound} is not an address of rank 0's host "
+            f"({socket.gethostname()}): {error.strerror}. Set it to one of that host's "
+            f"addresses (`ip -4 addr`), to 0.0.0.0 for every interface, or unset it")
+
+
 def host_and_port(address: str) -> Tuple[str, int]:
     """``(host, port)`` of a ``host:port`` (an IPv6 host may be written in brackets)."""
     host, _, port = address.rpartition(":")
@@ -183,7 +240,8 @@ def listen(address: str, job_host: Optional[str] = None) -> socket.socket:
 def rendezvous(state, override_variable: str, timeout: float = 60.0) -> Iterator[str]:
     """A ``host:port`` on rank 0's host that every rank has proved it can connect to.
 
-    Rank 0 picks a free port (or the address in `override_variable`), MPI shares it, rank 0
+    Rank 0 picks a free port (or the address in `override_variable`), the transport shares
+    it, rank 0
     listens on it and every rank opens a TCP connection within `timeout` seconds; the results
     are shared, so an unreachable address is one clear error on every rank instead of a
     framework's hang or C++ abort. The listener is closed again for the framework to bind,
@@ -206,39 +264,56 @@ def rendezvous(state, override_variable: str, timeout: float = 60.0) -> Iterator
         yield _meet(state, override_variable, timeout, held)
 
 
+class _NotThisHost(Exception):
+    """Rank 0 cannot listen because ``MGPU_BIND_ADDRESS`` is none of its host's addresses."""
+
+
 def _meet(state, override_variable: str, timeout: float, held: contextlib.ExitStack) -> str:
-    comm = state.comm
-    address = None
+    transport = state.transport
     host = job_host_address(state)
-    if state.rank == 0:
-        address = settings.text(override_variable)  # an MGPU_* HOST:PORT, checked
-        if not address:
-            address = f"{host}:{held.enter_context(reserved_port())}"
-    address = comm.bcast(address, root=0)
-    bound = bind_address(address, host)  # every rank: a bad MGPU_BIND_ADDRESS fails them all
-    listener, problem = None, None
-    if state.rank == 0:
-        try:
-            listener = listen(address, host)
-        except (OSError, ValueError) as error:
-            problem = (f"rank 0 cannot listen on {bound} ({error}; MGPU_BIND_ADDRESS=0.0.0.0 "
-                       f"binds every interface)")
-    problem = comm.bcast(problem, root=0)
-    if problem is None:
-        try:
-            with socket.create_connection(host_and_port(address), timeout=timeout):
-                pass
-        except (OSError, ValueError) as error:
-            problem = f"cannot connect to it ({type(error).__name__}: {error or 'timed out'})"
-    problems = comm.allgather(problem)
-    if listener is not None:
-        listener.close()
-    failed = [(rank, text) for rank, text in enumerate(problems) if text]
-    if failed:
-        rank, text = failed[0]
-        raise RuntimeError(
+    dial = checked_bind(state, host)[1]  # every rank: a bad MGPU_BIND_ADDRESS fails them all
+
+    def pick() -> str:  # rank 0: an MGPU_* HOST:PORT (checked), else a port held for the framework
+        return settings.text(override_variable) or f"{dial}:{held.enter_context(reserved_port())}"
+
+    address = agreement.decided_by_root(transport, pick, {})
+    bound = bind_address(address, host)
+
+    def unreachable(rank: int, text: str, failed: int = 1) -> RuntimeError:
+        return RuntimeError(
             f"the rendezvous address {address} does not work: rank {rank} {text} "
-            f"({len(failed)} of {len(problems)} ranks failed, within {timeout:g} s). Every rank "
+            f"({failed} of {state.size} ranks failed, within {timeout:g} s). Every rank "
             f"must reach rank 0's host on that port: check the firewall, or set "
             f"{override_variable}=host:port to an address of rank 0's host.")
+
+    def cannot_listen(why: str) -> RuntimeError:
+        return unreachable(0, f"cannot listen on {bound} ({why}; MGPU_BIND_ADDRESS=0.0.0.0 "
+                              f"binds every interface)")
+
+    listener = None
+
+    def listen_on_rank_0() -> None:
+        nonlocal listener
+        try:
+            listener = listen(address, host)
+        except OSError as error:  # the address, not the port, may be what is wrong
+            advice = listen_problem(bound, error)
+            if advice:
+                raise _NotThisHost(advice) from error
+            raise
+
+    agreement.decided_by_root(transport, listen_on_rank_0, {
+        _NotThisHost: lambda advice: unreachable(0, advice),
+        OSError: cannot_listen, ValueError: cannot_listen})
+    problem = ""
+    try:
+        with socket.create_connection(host_and_port(address), timeout=timeout):
+            pass
+    except (OSError, ValueError) as error:
+        problem = f"cannot connect to it ({type(error).__name__}: {error or 'timed out'})"
+    failed = agreement.failures(transport, problem)
+    if listener is not None:
+        listener.close()
+    if failed:
+        raise unreachable(*failed[0], failed=len(failed))
     return address

@@ -5,10 +5,11 @@ have no timeout), so one rank stuck in user code — a dead NFS read, a deadlock
 different code path — hangs the whole job silently. Like Horovod's stall inspector, every rank
 records where it is in the training step protocol (:func:`mark`, called by the probes that
 ``mgpu_launch.training.stall_probes`` adds to ``fit``), and a side channel that does not need
-the MPI communicator to be free carries that position to rank 0:
+the control plane (MPI) to be free carries that position to rank 0:
 
 * rank 0 listens on a TCP port of the job's host address (``MGPU_STALL_PORT`` pins it; default
-  any free port) and MPI shares the address once, at ``mgpu.init()``;
+  any free port) and the transport shares the address once, at ``mgpu.init()``; a port it
+  cannot listen on is the same error on every rank (mgpu_launch.runtime.agreement);
 * every other rank connects, proves the job's key (mgpu_launch.runtime.auth: a connection that does
   not, or that sends anything malformed, is closed and changes nothing) and runs a daemon
   thread that sends its position when it changed, at most every :data:`REPORT_INTERVAL_S`
@@ -35,7 +36,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
-from mgpu_launch.runtime import auth, rendezvous, stall_channel, timeline
+from mgpu_launch.runtime import agreement, auth, rendezvous, stall_channel, timeline
 from mgpu_launch.config import settings as declared
 from mgpu_launch.config import markers
 
@@ -274,7 +275,7 @@ class Monitor(threading.Thread):
 def start(state) -> None:
     """Start the inspector of a multi-process job (runtime hook of ``mgpu.init()``).
 
-    Collective: every rank calls it, after MPI is up and the job key is shared. Rank 0 listens
+    Collective: every rank calls it, after the transport is up and the job key is shared. Rank 0 listens
     on the job's host address (``MGPU_STALL_PORT``, else a free port); the other ranks connect
     and prove the job key (mgpu_launch.runtime.auth) from their reporter thread. A rank that
     cannot reach rank 0 says so once and keeps trying in the background (a flood of
@@ -291,20 +292,30 @@ def start(state) -> None:
         return
     listen_port = port()  # on every rank: a bad value fails them all alike
     _position = (0, STARTED, "")
-    server = address = problem = None
     host = rendezvous.job_host_address(state)  # collective; not 127.0.1.1 across hosts
-    bound = rendezvous.bind_host(host)  # on every rank: a bad MGPU_BIND_ADDRESS fails them all
-    if state.rank == 0:
+    # collective, on every rank: a bad MGPU_BIND_ADDRESS fails them all; the ranks dial the
+    # address bound (MGPU_BIND_ADDRESS=127.0.0.2 is reachable at 127.0.0.2 only)
+    bound, dial = rendezvous.checked_bind(state, host)
+    server = None
+
+    def listen_on_rank_0() -> str:
+        nonlocal server
         try:
             server = stall_channel.PositionServer(bound, listen_port, state.job_key, state.size)
-            address = f"{host}:{server.port}"
-        except OSError as error:
-            problem = (f"the stall inspector cannot listen on {bound}:{listen_port} "
-                       f"(MGPU_STALL_PORT={listen_port}): {error}. "
-                       f"Pick a port that is free on rank 0's host, or unset MGPU_STALL_PORT.")
-    address, problem = state.comm.bcast((address, problem), root=0)
-    if problem:
-        raise RuntimeError(problem)
+        except OSError as error:  # the address, not the port, may be what is wrong
+            advice = rendezvous.listen_problem(bound, error)
+            if advice:
+                raise ValueError(advice) from error
+            raise
+        return f"{dial}:{server.port}"
+
+    address = agreement.decided_by_root(state.transport, listen_on_rank_0, {
+        ValueError: lambda advice: RuntimeError(
+            f"the stall inspector cannot listen on {bound}:{listen_port}: {advice}."),
+        OSError: lambda why: RuntimeError(
+            f"the stall inspector cannot listen on {bound}:{listen_port} "
+            f"(MGPU_STALL_PORT={listen_port}): {why}. "
+            f"Pick a port that is free on rank 0's host, or unset MGPU_STALL_PORT.")})
     if state.rank == 0:
         _inspector = Monitor(server, warning_s or float("inf"), shutdown_s)
     else:

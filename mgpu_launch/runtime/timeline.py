@@ -170,8 +170,9 @@ def _kernel() -> str:
         return f"pid {os.getpid()}"  # unknown: measure
 
 
-def measure_offsets(comm) -> List[int]:
-    """Every rank's clock offset to rank 0, in ns (collective over `comm`, None: one process).
+def measure_offsets(transport) -> List[int]:
+    """Every rank's clock offset to rank 0, in ns (collective over `transport`, the runtime's
+    control plane; None: one process).
 
     Ranks on rank 0's kernel (same boot id: same host, containers included) read the same
     monotonic clock: offset 0, exactly. For each other rank, rank 0 sends :data:`PING_ROUNDS`
@@ -179,27 +180,27 @@ def measure_offsets(comm) -> List[int]:
     the offset (rank 0's clock at the middle of the round trip, less the rank's answer), good
     to half that round trip. Rank 0 broadcasts the list.
     """
-    if comm is None:
+    if transport is None:
         return [0]
-    rank = comm.Get_rank()
-    kernels = comm.allgather(_kernel())
+    rank = transport.rank
+    kernels = transport.allgather_object(_kernel())
     offsets = [0] * len(kernels)
     for other in (r for r in range(1, len(kernels)) if kernels[r] != kernels[0]):
         if rank == 0:
             best = None
             for _ in range(PING_ROUNDS):
                 sent = time.monotonic_ns()
-                comm.send(None, dest=other, tag=_PING_TAG)
-                theirs = comm.recv(source=other, tag=_PING_TAG)
+                transport.send_object(None, other, _PING_TAG)
+                theirs = transport.receive_object(other, _PING_TAG)
                 back = time.monotonic_ns()
                 if best is None or back - sent < best[0]:
                     best = (back - sent, (sent + back) // 2 - int(theirs))
             offsets[other] = best[1]
         elif rank == other:
             for _ in range(PING_ROUNDS):
-                comm.recv(source=0, tag=_PING_TAG)
-                comm.send(time.monotonic_ns(), dest=0, tag=_PING_TAG)
-    return comm.bcast(offsets, root=0)
+                transport.receive_object(0, _PING_TAG)
+                transport.send_object(time.monotonic_ns(), 0, _PING_TAG)
+    return transport.broadcast_object(offsets, 0)
 
 
 def ensure_recording(state) -> None:
@@ -215,7 +216,7 @@ def ensure_recording(state) -> None:
     state.require()
     _state = state
     if _offsets is None:
-        _offsets = measure_offsets(state.comm)
+        _offsets = measure_offsets(state.transport)
     if _recorder is None:
         _recorder = Recorder()
 
@@ -343,7 +344,7 @@ def write(path: str, state) -> Optional[str]:
     """
     own = (since(0), {index: name for index, name in
                       (_recorder.threads.values() if _recorder else [])})
-    gathered = state.comm.gather(own, root=0) if state.comm is not None else [own]
+    gathered = state.transport.gather_object(own, 0) if state.transport is not None else [own]
     if state.rank != 0:
         return None
     trace_files.write_document(path, {

@@ -8,8 +8,9 @@ Joining a job takes three layers, in this order, written out here in plain code 
 2. on a multi-process job, the Keras backend's engine (``backends.get_engine().setup``): its own
    communicator (TF collective ops with NCCL on GPUs, ``jax.distributed``,
    ``torch.distributed``), unless ``MGPU_ENGINE=none``;
-3. the Keras patches every model needs from the start (``training.patches``): synchronized
-   BatchNormalization, and the engine's own (``patches.AT_INIT``).
+3. the Keras patches, installed once as one context (``training.patches.install``): those
+   every backend shares, the engine's patch set, synchronized BatchNormalization, and the
+   Keras 2 names a Horovod namespace asks for.
 
 ``shutdown()`` undoes them in reverse. Importing this module imports no framework and no Keras:
 ``import mgpu_launch`` stays light for scripts that use the host collectives only.
@@ -17,6 +18,7 @@ Joining a job takes three layers, in this order, written out here in plain code 
 
 import atexit
 import sys
+from typing import Sequence
 
 from mgpu_launch import backends, runtime
 from mgpu_launch.config import settings
@@ -24,7 +26,7 @@ from mgpu_launch.config import settings
 __all__ = ["init", "shutdown"]
 
 
-def init(process_sets=None) -> None:
+def init(process_sets=None, *, keras_2: Sequence[str] = ()) -> None:
     """Join the job: the runtime, then the backend's engine, then the Keras patches.
 
     Idempotent: a second call only checks its `process_sets` against the first's. Call it at
@@ -34,6 +36,8 @@ def init(process_sets=None) -> None:
     Args:
         process_sets: as for ``mgpu_launch.runtime.init`` (None, a list of ``ProcessSet``,
             or ``"dynamic"``).
+        keras_2: Keras 2 patches a Horovod namespace's init() wants too
+            (``training.patches.KERAS_2``).
 
     Raises:
         Whatever ``mgpu_launch.runtime.init`` raises (a bad ``MGPU_*`` setting, launcher
@@ -47,6 +51,9 @@ def init(process_sets=None) -> None:
     """
     if runtime.is_initialized():
         runtime.init(process_sets)  # checks the sets only
+        if keras_2:  # a Horovod namespace's init() after mgpu.init(): its Keras 2 names
+            from mgpu_launch.training import patches
+            patches.install(keras_2, models=False)
         return
     runtime.init(process_sets)
     atexit.register(shutdown)  # runs before the runtime's own (atexit runs last in, first out)
@@ -54,19 +61,19 @@ def init(process_sets=None) -> None:
     engine_wanted = settings.choice("MGPU_ENGINE") != "none"
     if state.size > 1 and engine_wanted:
         backends.get_engine().setup(state)
-    _install_patches(state.size, engine_wanted)
+    _install_patches(state.size, engine_wanted, keras_2)
 
 
-def _install_patches(size: int, engine_wanted: bool) -> None:
-    """BatchNormalization(synchronized=True) synchronizes (mgpu_launch.layers); on one process
-    only if Keras is loaded already: importing it here would slow down every script that uses
-    only the host collectives. On a job of several processes, the engine's own patches."""
-    if not engine_wanted or (size == 1 and "keras" not in sys.modules):
+def _install_patches(size: int, engine_wanted: bool, keras_2: Sequence[str]) -> None:
+    """The one patch context (``training.patches.install``). On one process only if Keras is
+    loaded already: importing it here would slow down every script that uses only the host
+    collectives (its first DistributedOptimizer installs the context then); none of the model
+    patches with ``MGPU_ENGINE=none``."""
+    models = engine_wanted and (size > 1 or "keras" in sys.modules)
+    if not (models or keras_2):
         return
     from mgpu_launch.training import patches
-    patches.install_synchronized_batch_norm()
-    if size > 1:
-        patches.install_at_init(backends.get_engine().name)
+    patches.install(keras_2, models=models)
 
 
 def shutdown() -> None:

@@ -25,7 +25,11 @@ background thread that produces them (slicing, shuffling, your PyDataset's ``__g
 and copies them to the device ``MGPU_PREFETCH`` (default 2 on GPU, off on CPU) batches ahead
 of the step, so the host work overlaps the device's. ``MGPU_PREFETCH=0`` turns it off
 (Keras's own feeding).
-TensorFlow is left alone: tf.data already prefetches in its own threads.
+On TensorFlow the same thread iterates a ``tf.data`` input and copies its batches to the GPU
+(``backends/tensorflow/feeding.py``). A ``tf.data`` that :func:`shard` returned is shuffled,
+batched and ``.prefetch(tf.data.AUTOTUNE)``-ed already, and on JAX the device feed begins
+its next epoch (a new tf.data iterator, its shuffle buffer filled) while the current one ends
+(``training/sharded.py``).
 """
 
 from typing import Any, Optional
@@ -35,7 +39,7 @@ import numpy as np
 
 from mgpu_launch import runtime
 from mgpu_launch.runtime import collectives
-from mgpu_launch.training import patches
+from mgpu_launch.training import patches, sharded
 # Re-exported: the prefetcher lived here before it moved below the engines.
 from mgpu_launch.training.prefetch import Prefetcher, prefetch_depth  # noqa: F401
 
@@ -192,7 +196,9 @@ def _shard_tf_dataset(dataset, batch_size, shuffle, seed, drop_remainder):
     else:
         batches = per_rank
     _agree(batches, "this tf.data.Dataset")
-    return dataset.prefetch(tf.data.AUTOTUNE)
+    # remembered: the device feed may start its next epoch early, and the efficiency report
+    # knows this prefetch is here (training/sharded.py)
+    return sharded.remember(dataset.prefetch(tf.data.AUTOTUNE))
 
 
 def shard(data: Any, batch_size: Optional[int] = None, shuffle: bool = False, seed: int = 0,
@@ -228,7 +234,7 @@ def shard(data: Any, batch_size: Optional[int] = None, shuffle: bool = False, se
         >>> dataset = tf.data.Dataset.from_tensor_slices((features, labels))
         >>> causal_lm.fit(mgpu.data.shard(dataset, batch_size=8, shuffle=True), epochs=3)
     """
-    patches.apply("fit")  # fit keeps the order of what shard returns
+    patches.install()  # fit keeps the order of what shard returns (mgpu.init() installed it)
     if isinstance(data, keras.utils.PyDataset):
         return ShardedPyDataset(data)
     if type(data).__module__.startswith("tensorflow") and hasattr(data, "shard"):

@@ -201,6 +201,25 @@ _WORDS = {"input": "its input", "callbacks": "callbacks", "other": "other host w
           "unknown": "no phase of its own"}
 
 
+#: the input advice by what fit was given (``sharded.input_kind``); None: not known
+_INPUT_ADVICE = {
+    "shard tf.data": (
+        "mgpu.data.shard's tf.data is prefetched already (AUTOTUNE) and its batches are copied "
+        "to the device ahead (MGPU_PREFETCH): raise MGPU_PREFETCH, do per-sample work "
+        "(tokenizing, map) once before the training, or give a plain keras.Model the arrays "
+        "themselves (mgpu.data.shard((x, y), batch_size=...): batches sliced without tf.data)"),
+    "tf.data": (
+        "end the tf.data pipeline with .prefetch(tf.data.AUTOTUNE), map with "
+        "num_parallel_calls=tf.data.AUTOTUNE, and raise MGPU_PREFETCH"),
+    "PyDataset": (
+        "raise MGPU_PREFETCH, or give the PyDataset workers (workers=4, "
+        "use_multiprocessing=True)"),
+    "arrays": "raise MGPU_PREFETCH (mgpu copies the batches to the device ahead)",
+    None: ("raise MGPU_PREFETCH, give the PyDataset workers (workers=4, "
+           "use_multiprocessing=True) or use tf.data with .prefetch(tf.data.AUTOTUNE)"),
+}
+
+
 def _measured(figures: Dict) -> bool:
     return "seconds" in (figures.get("communication") or {})
 
@@ -232,9 +251,8 @@ def advice(figures: Dict) -> str:
         return "communication: the gradient allreduce dominates; " + _cheaper(
             figures["communication"])
     if largest == "input":
-        return ("input: the step waits for its batches; raise MGPU_PREFETCH, give the "
-                "PyDataset workers (workers=4, use_multiprocessing=True) or use tf.data with "
-                ".prefetch(tf.data.AUTOTUNE)")
+        return "input: the step waits for its batches; " + _INPUT_ADVICE.get(
+            figures.get("input_kind"), _INPUT_ADVICE[None])
     if largest == "wait" and figures["late"] is not None:
         rank, behind, _, cause = figures["late"]  # ms, not a ratio to a step of a few ms
         return (f"rank {rank} arrives {units.duration(behind / 1e9)} a step after the others, in "

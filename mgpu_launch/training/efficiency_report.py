@@ -22,8 +22,9 @@ import numpy as np
 
 from mgpu_launch import backends, runtime
 from mgpu_launch.runtime import collectives, timeline
+from mgpu_launch.training import sharded
 from mgpu_launch.training.efficiency import TIMED_STEPS, analyse, render
-from mgpu_launch.training.optimizer_options import DistributedOptions
+from mgpu_launch.training import optimizer_options
 from mgpu_launch.config import settings
 
 #: timed reductions at the end of a fit (after one warm-up); the report takes their median
@@ -56,7 +57,7 @@ def add_report(arguments: Dict[str, Any]) -> None:
         else callbacks or []
     if any(isinstance(callback, EfficiencyReport) for callback in listed):
         return
-    report = EfficiencyReport(batch_size_of(arguments))
+    report = EfficiencyReport(batch_size_of(arguments), sharded.input_kind(arguments.get("x")))
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks.append(report)
     else:
@@ -67,16 +68,6 @@ def wanted() -> bool:
     """``MGPU_EFFICIENCY_REPORT`` (default on), after ``mgpu.init()`` (a fit before it has no
     job to report on)."""
     return runtime.is_initialized() and settings.flag("MGPU_EFFICIENCY_REPORT")
-
-
-def _distributed_optimizer(model):
-    """The model's DistributedOptimizer, also under a LossScaleOptimizer: the one that has
-    its options (found by them: importing its class would close an import circle, through
-    the fit patch that adds this report)."""
-    for optimizer in (model.optimizer, getattr(model.optimizer, "inner_optimizer", None)):
-        if isinstance(getattr(optimizer, "options", None), DistributedOptions):
-            return optimizer
-    return None
 
 
 def _nbytes(variable) -> int:
@@ -105,13 +96,13 @@ def time_communication(model, own: List[tuple]) -> Optional[Dict[str, Any]]:
         broken transport, which the next collective would meet as well.
     """
     state = runtime.state
-    if state.comm is None or state.size < 2:
+    if state.transport is None or state.size < 2:
         return None
     steps = sum(1 for entry in own if entry[0] == 0 and entry[1] == "train step")
     fewest = min(collectives.allgather_object(steps))  # the same decision on every rank
     if fewest - 2 < TIMED_STEPS:  # the first step and the closing one are not analysed
         return {"note": f"a fit of fewer than {TIMED_STEPS + 2} steps is not timed"}
-    optimizer = _distributed_optimizer(model)
+    optimizer = optimizer_options.distributed_optimizer(model)
     if optimizer is None:
         return {"note": "the model's optimizer is no DistributedOptimizer"}
     if optimizer.process_set is not None:
@@ -148,11 +139,13 @@ class EfficiencyReport(keras.callbacks.Callback):
 
     Args:
         batch_size: samples per step on one rank, when fit knows it (None: steps/s are shown).
+        input_kind: what fit was given (``sharded.input_kind``), for the input advice.
     """
 
-    def __init__(self, batch_size: Optional[int] = None):
+    def __init__(self, batch_size: Optional[int] = None, input_kind: Optional[str] = None):
         super().__init__()
         self.batch_size = batch_size
+        self.input_kind = input_kind
         self.bookmark = 0
         self.figures: Optional[Dict[str, Any]] = None
 
@@ -164,14 +157,17 @@ class EfficiencyReport(keras.callbacks.Callback):
         state = runtime.state
         own = timeline.since(self.bookmark)
         mine = (own, time_communication(self.model, own))
-        ranks = state.comm.gather(mine, root=0) if state.comm is not None else [mine]
+        ranks = (state.transport.gather_object(mine, 0) if state.transport is not None
+                 else [mine])
         if state.rank != 0:
             return
         self.figures = analyse([slices for slices, _ in ranks], self.batch_size,
                                combined([timed for _, timed in ranks]))
         if self.figures is None:
             return
-        # the engine's word on a step that dominates
-        self.figures["step_hint"] = backends.get_engine().step_advice(self.model)
+        # the engine's word on a step that dominates; what the input was, for its advice
+        self.figures["step_hint"] = backends.get_engine().step_advice(
+            self.model, optimizer_options.step_options(self.model))
+        self.figures["input_kind"] = self.input_kind
         if self.params.get("verbose", 0):
             print(render(self.figures), file=sys.stdout, flush=True)

@@ -69,5 +69,5 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                 "SyncBatchNormalization(fused=True) was received; Keras 3 has no fused "
                 "BatchNormalization kernel. Leave fused out (or pass fused=False).")
         kwargs.pop("synchronized", None)
-        patches.install_synchronized_batch_norm()
+        patches.install()  # installed by mgpu.init() already, unless a script never called it
         super().__init__(synchronized=True, **kwargs)

@@ -138,8 +138,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                                                  else 1)
             keras_internals.swap_learning_rate(scheduled, self._schedule)
         # Device prefetch of fit's batches (MGPU_PREFETCH), the ranks' agreement check before
-        # the first step, and (JAX) the engine's train step: all patches of Keras internals.
-        patches.install(DistributedOptimizer)
+        # the first step, and (JAX) the engine's train step: all patches of Keras internals,
+        # installed by mgpu.init(); here only for a script that never called it (one function).
+        patches.install()
         self._init_done = True
 
     @classmethod

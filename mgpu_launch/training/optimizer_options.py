@@ -2,7 +2,7 @@
 
 Every option lives in :class:`DistributedOptions`: the optimizer holds one (``.options``), its
 config is ``options.to_config()`` and its constructor takes them back, the engines get the
-reduction part (``options.reduction``, an ``engines.reduction.GradientReduction``), and a
+reduction part (``options.reduction``, an ``backends.reduction.GradientReduction``), and a
 wrapper made again around the same inner optimizer (``hvd.load_model`` with another
 compression) copies the whole value with :meth:`DistributedOptions.replace`, so no option can
 be forgotten on the way.
@@ -11,12 +11,12 @@ be forgotten on the way.
 import dataclasses
 from typing import Any, Optional
 
-from mgpu_launch.backends.reduction import GradientReduction
+from mgpu_launch.backends.reduction import GradientReduction, StepOptions
 from mgpu_launch.runtime import collectives, process_sets
 from mgpu_launch.runtime.collectives import ReduceOp
 from mgpu_launch.backends.compression import Compression, Compressor
 
-__all__ = ["DistributedOptions"]
+__all__ = ["DistributedOptions", "distributed_optimizer", "of_model", "step_options"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +91,12 @@ class DistributedOptions:
                                  postscale=factor, compression=self.compression,
                                  sparse_as_dense=self.sparse_as_dense)
 
+    def step_options(self) -> StepOptions:
+        """What the engine's train step needs of these options (handed down to it)."""
+        return StepOptions(cuda_graph=self.cuda_graph,
+                           backward_passes_per_step=int(self.backward_passes_per_step),
+                           within_a_set=self.process_set is not None)
+
     def replace(self, **changes) -> "DistributedOptions":
         """A copy with `changes` (checked again)."""
         return dataclasses.replace(self, **changes)
@@ -122,3 +128,28 @@ class DistributedOptions:
         if isinstance(config.get("process_set"), (list, tuple)):
             config["process_set"] = process_sets.with_ranks(config["process_set"])
         return cls(**config)
+
+
+def distributed_optimizer(model):
+    """`model`'s DistributedOptimizer, also under a LossScaleOptimizer (None: it has none).
+
+    Found by its options' type: importing the optimizer's class here would close an import
+    circle (it imports the patches that ask this). The one place that reads ``options`` off
+    a Keras optimizer (tests/test_architecture.py checks that no other does)."""
+    optimizer = getattr(model, "optimizer", None)
+    for candidate in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        if isinstance(getattr(candidate, "options", None), DistributedOptions):
+            return candidate
+    return None
+
+
+def of_model(model) -> Optional[DistributedOptions]:
+    """The options of `model`'s DistributedOptimizer (None: it has none)."""
+    optimizer = distributed_optimizer(model)
+    return None if optimizer is None else optimizer.options
+
+
+def step_options(model) -> StepOptions:
+    """What `model`'s train step is asked to do (the defaults without a DistributedOptimizer)."""
+    options = of_model(model)
+    return StepOptions() if options is None else options.step_options()

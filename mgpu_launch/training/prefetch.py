@@ -161,6 +161,10 @@ class EpochFeed:
     __del__ = close
 
 
+#: batches of a pass (without run-ahead) read only when the consumer asks: see may_read
+ON_DEMAND = 2
+
+
 class _FeedState:
     """What the consumer tells the producer, under one condition variable."""
 
@@ -170,6 +174,7 @@ class _FeedState:
         self.sources: dict = {}  # pass -> the source its consumer brought
         self.taken = 0  # batches handed to the consumer, all passes
         self.taken_of_claimed = 0  # of which from the pass claimed last
+        self.asked_of_claimed = 0  # batches the consumer asked for of the pass claimed last
         self.stopped = False
         self.run_ahead = run_ahead
         self.planned = planned_batches
@@ -179,9 +184,30 @@ class _FeedState:
             self.claimed += 1
             if source is not None:
                 self.sources[self.claimed] = source
-            self.taken_of_claimed = 0
+            self.taken_of_claimed = self.asked_of_claimed = 0
             self.changed.notify_all()
             return self.claimed
+
+    def ask(self) -> None:
+        with self.changed:
+            self.asked_of_claimed += 1
+            self.changed.notify_all()
+
+    def may_read(self, number: int, index: int) -> bool:
+        """Block until batch `index` of pass `number` may be read; False: the pass is dropped.
+
+        Without run-ahead, a pass's first :data:`ON_DEMAND` batches are read only once the
+        consumer asks for them: a pass Keras drops after one batch (the build batch) then reads
+        exactly what Keras's own feeding reads, so the data's code (a PyDataset's
+        ``__getitem__``, which may draw from ``random``) runs as often, whatever the thread's
+        timing (issue 58)."""
+        if self.run_ahead or index >= ON_DEMAND:
+            return not self.abandoned(number)
+        with self.changed:
+            while not self.abandoned(number) and not (
+                    self.claimed == number and self.asked_of_claimed > index):
+                self.changed.wait(0.1)
+            return not self.abandoned(number)
 
     def take(self) -> None:
         with self.changed:
@@ -231,6 +257,7 @@ class _Pass:
             # iterator before the data's on_epoch_end() has run, and drops it unread when
             # steps_per_epoch is unset (it makes another at the epoch's start).
             self._number, self._source = self._feed._claim(self._source), None
+        self._feed._state.ask()
         source = self._feed._queue
         start = time.monotonic_ns() if timeline.recording() else None
         while True:
@@ -282,7 +309,17 @@ def _produce_passes(make_source, transfer, out: "queue.Queue", state: _FeedState
         ready, length = None, 0
         try:
             mark = time.monotonic_ns()
-            for item in (source if source is not None else make_source(number)):
+            batches = iter(source if source is not None else make_source(number))
+            while True:
+                if not state.may_read(number, length):
+                    length = None  # dropped by the consumer
+                    break
+                mark = mark if length >= ON_DEMAND else time.monotonic_ns()  # not the wait
+                try:
+                    item = next(batches)
+                except StopIteration:
+                    offer(("end", number, None), number)
+                    break
                 if timeline.recording():  # where the thread's time goes, batch by batch
                     read = time.monotonic_ns()
                     item = transfer(item)
@@ -297,8 +334,6 @@ def _produce_passes(make_source, transfer, out: "queue.Queue", state: _FeedState
                 length += 1
                 if ready is None and state.run_ahead:
                     ready = (number + 1, _start(make_source, number + 1))
-            else:
-                offer(("end", number, None), number)
         except BaseException as error:  # handed to the consumer, raised there
             offer(("error", number, error), number)
             length = None

@@ -43,13 +43,13 @@ def stop_here_if_asked(where: str) -> None:
     if not elastic():
         return
     if runtime.state.rank == 0:  # mgpu-train tells a failure repeated here from a later one
-        print(f"{markers.BACKUP_MARKER} {where}", file=sys.stderr, flush=True)
+        print(markers.line(markers.BACKUP_MARKER, where), file=sys.stderr, flush=True)
     asked = markers.resize_requested()
     if runtime.is_multi_process():
         asked = any(collectives.allgather_object(asked))
     if not asked:
         return
     if runtime.state.rank == 0:
-        print(f"{markers.RESIZE_MARKER} {where}", file=sys.stderr, flush=True)
+        print(markers.line(markers.RESIZE_MARKER, where), file=sys.stderr, flush=True)
     sys.stdout.flush()
     raise SystemExit(0)

@@ -50,7 +50,7 @@ def report_progress() -> None:
     if not _Steps.progress_reported:
         _Steps.progress_reported = True
         if settings.flag("MGPU_PROGRESS_MARKER") and runtime.state.rank == 0:
-            print(markers.PROGRESS_MARKER, file=sys.stderr, flush=True)
+            print(markers.line(markers.PROGRESS_MARKER), file=sys.stderr, flush=True)
 
 
 class FirstProbe(keras.callbacks.Callback):

@@ -1,5 +1,7 @@
-"""Rank 0 of a multi-host TensorFlow job warns once that the gRPC servers listen on every
-interface (issue 51, item 6; docs/security.md, "TensorFlow's gRPC server")."""
+"""Rank 0 of a TensorFlow job warns once that the gRPC servers listen on every interface, on
+several hosts (issue 51, item 6) and on one (issue 58, item 6: TensorFlow binds every interface
+there too; tests/runtime/test_listeners.py sees it with ss); docs/security.md, "TensorFlow's gRPC
+server"."""
 
 import types
 
@@ -19,4 +21,14 @@ def test_only_rank_0_of_a_multi_host_job_warns_with_what_is_exposed_and_the_miti
                   "docs/security.md"):
         assert words in text, words
     assert grpc_exposure_warning(_state(1, 4, 2), 29500) is None  # once per job: rank 0
-    assert grpc_exposure_warning(_state(0, 4, 4), 29500) is None  # one host
+
+
+def test_a_one_host_job_warns_too_naming_the_hosts_other_users():
+    text = grpc_exposure_warning(_state(0, 4, 4), 29500)
+    assert text.startswith("mgpu: warning: TensorFlow's collective runtime listens on every "
+                           "network interface of this host, although every rank runs here "
+                           "(gRPC, port 29500")
+    for words in ("every other user of this host", "without authentication",
+                  "MGPU_TF_TRANSPORT=mpi", "keep other users off the host", "docs/security.md"):
+        assert words in text, words
+    assert grpc_exposure_warning(_state(1, 4, 4), 29500) is None

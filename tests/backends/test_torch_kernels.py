@@ -49,10 +49,11 @@ def _step_results(keras, policy, patched: bool, monkeypatch):
     from keras.src.backend.torch import nn as torch_nn
     from keras.src.layers.normalization.batch_normalization import BatchNormalization
 
-    from mgpu_launch.training import patches
+    from mgpu_launch.backends.torch import patches
+    from mgpu_launch.keras_patching import apply
 
-    for name in patches.TORCH_KERNELS:
-        patches.apply(name)
+    for replacement in patches.KERNELS:
+        apply(replacement)
     with monkeypatch.context() as local:
         if not patched:  # Keras's own lowering, as without mgpu
             local.setattr(BatchNormalization, "call", BatchNormalization.call.__wrapped__)
@@ -141,3 +142,51 @@ def test_mgpu_torch_kernels_0_installs_neither():
                                                   "MGPU_TORCH_KERNELS": value})
         assert result.returncode == 0, result.stderr[-2000:]
         assert result.stdout.split("\n")[-2] == expected, result.stdout
+
+
+def _small_batch_results(keras, batch, spatial, patched, monkeypatch):
+    """Losses and weights of 2 train steps of a BatchNormalization network on `batch` samples
+    of `spatial` images (an image of 1x1 and a batch of 1: one value per channel)."""
+    from keras.src.backend.torch import nn as torch_nn
+    from keras.src.layers.normalization.batch_normalization import BatchNormalization
+
+    from mgpu_launch.training import patches
+
+    for name in patches.TORCH_KERNELS:
+        patches.apply(name)
+    with monkeypatch.context() as local:
+        if not patched:
+            local.setattr(BatchNormalization, "call", BatchNormalization.call.__wrapped__)
+            local.setattr(torch_nn, "conv", torch_nn.conv.__wrapped__)
+        keras.utils.set_random_seed(7)
+        images = keras.Input((*spatial, 2))
+        x = keras.layers.Conv2D(4, 1)(images)
+        x = keras.layers.BatchNormalization(momentum=0.5)(x)
+        x = keras.layers.Flatten()(x)
+        x = keras.layers.Dense(6)(x)
+        x = keras.layers.BatchNormalization(momentum=0.5)(x)  # (batch, features): 1 value at 1
+        model = keras.Model(images, keras.layers.Dense(3)(x))
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+        rng = np.random.default_rng(batch)
+        x = rng.standard_normal((batch, *spatial, 2)).astype("float32")
+        y = rng.standard_normal((batch, 3)).astype("float32")
+        losses = [float(model.train_on_batch(x, y)) for _ in range(2)]
+        out = keras.ops.convert_to_numpy(model(x, training=False)).astype("float64")
+        return losses, out, [np.asarray(w, dtype="float64") for w in model.get_weights()]
+
+
+@pytest.mark.parametrize("spatial", [(1, 1), (3, 5), (7, 1)])
+@pytest.mark.parametrize("batch", [1, 2, 3])
+def test_small_batches_and_odd_shapes_train_as_keras_does(batch, spatial, monkeypatch):
+    """Issue 58, item 3: a batch of one after a Dense layer (one value per channel) made
+    torch's batch_norm raise "Expected more than 1 value per channel when training", where
+    Keras's own lowering trains through it."""
+    import keras
+
+    keras_losses, keras_out, keras_weights = _small_batch_results(keras, batch, spatial, False,
+                                                                  monkeypatch)
+    losses, out, weights = _small_batch_results(keras, batch, spatial, True, monkeypatch)
+    np.testing.assert_allclose(losses, keras_losses, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(out, keras_out, rtol=2e-5, atol=1e-5)
+    for ours, theirs in zip(weights, keras_weights):
+        np.testing.assert_allclose(ours, theirs, rtol=2e-5, atol=1e-5)

@@ -398,3 +398,32 @@ def test_a_commits_state_text_with_nan_or_deep_nesting_is_refused(tmp_path, text
     _replace_entry(path, "mgpu_state", _npy((), f"<U{len(text)}", text.encode("utf-32-le")))
     with pytest.raises(BadBackup, match=f"commit-1.npz: its state is refused: .*{why}"):
         _load(store, like)
+
+
+@tensorflow_only
+def test_a_commit_with_nan_is_refused_naming_the_variable_and_infinity_is_loaded_with_a_warning(
+        tmp_path):
+    """Issue 58, item 8: a NaN in a committed variable (a diverged step, a damaged file) is
+    refused on every rank, naming the variable; Infinity is a value a variable may hold (a
+    best loss not yet set): loaded, with a warning naming it."""
+    import tensorflow as tf
+
+    from mgpu_launch.training.epoch_resume import BadBackup
+    folder = tmp_path / "state"
+    weights = tf.Variable(np.ones((2, 2), "float32"), name="dense_kernel")
+    best = tf.Variable(np.float32(np.inf), name="best_loss")
+    count = tf.Variable(3, name="count")  # integers hold no NaN: not checked
+    state = _tf_state(folder, [weights, best, count], batch=0)
+    state.batch = 1
+    state.commit()
+    fresh = [tf.Variable(np.zeros((2, 2), "float32"), name="dense_kernel"),
+             tf.Variable(np.float32(0), name="best_loss"), tf.Variable(0, name="count")]
+    with pytest.warns(UserWarning, match=r"best_loss.*holds Infinity"):
+        assert _run(_tf_state(folder, fresh, batch=0)) == [{"batch": 1}]
+    assert np.isinf(fresh[1].numpy()) and int(fresh[2].numpy()) == 3
+    weights.assign([[1.0, np.nan], [1.0, 1.0]])
+    state.commit()
+    before = np.array(fresh[0].numpy())
+    with pytest.raises(BadBackup, match=r"variable 0 \(dense_kernel\S*\) holds NaN"):
+        _run(_tf_state(folder, fresh, batch=0))
+    np.testing.assert_array_equal(fresh[0].numpy(), before)  # nothing of it was used

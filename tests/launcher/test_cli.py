@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from mgpu_launcher import api, cli, mpirun
+from mgpu_launcher import api, cli, hostlists, mpirun
 
 OPENMPI_VERSION = "mpirun (Open MPI) 5.0.11\n\nReport bugs to https://www.open-mpi.org/community/help/\n"
 MPICH_VERSION = "HYDRA build details:\n    Version:                                 4.1.2\n"
@@ -80,7 +80,8 @@ def test_good_hostfile_and_hosts_pass(tmp_path, script):
     hostfile = tmp_path / "hosts"
     hostfile.write_text("node1 slots=4  # first\nnode2 slots=4 max_slots=8\n")
     config = cli.parse_args(["-np", "8", "--hostfile", str(hostfile), "-H", "a:2,b", script])
-    assert config.hostfile == str(hostfile) and config.hosts == "a:2,b"
+    assert config.hostfile == str(hostfile) and str(config.hosts) == "a:2,b"
+    assert config.hosts.entries == (("a", 2), ("b", None))  # read once, at the command line
 
 
 def test_missing_mpirun_is_explained(monkeypatch, script, capsys):
@@ -141,7 +142,7 @@ def test_openmpi_signal_death_wording_gives_the_rank_and_the_signal():
 
 def test_openmpi_command_as_list():
     command = mpirun.build_command("/bin/mpirun", mpirun.OPENMPI, 4, ["python", "-m", "mgpu_launcher", "t.py"],
-                                   hosts="a:2,b:2", forward=["KERAS_BACKEND", "PATH"],
+                                   hosts=hostlists.parse_hosts("a:2,b:2"), forward=["KERAS_BACKEND", "PATH"],
                                    as_root=True, oversubscribe=True)
     assert command[:3] == ["/bin/mpirun", "-np", "4"]
     for piece in (["--allow-run-as-root"], ["--oversubscribe"], ["-H", "a:2,b:2"],
@@ -172,6 +173,7 @@ def test_mpich_command_uses_hydra_spelling():
 ])
 def test_one_host_only_when_no_other_host_can_take_a_rank(hosts, hostfile, extra, environ,
                                                            expected):
+    hosts = hostlists.parse_hosts(hosts) if hosts else None
     assert mpirun.one_host(hosts, hostfile, extra, environ) is expected
 
 
@@ -238,9 +240,9 @@ def test_an_unknown_keras_backend_lists_the_ones_that_work(env, argv, monkeypatc
             "expected one of tensorflow, jax, torch") in err
 
 
-def test_the_launchers_backend_list_is_the_engines():
-    from mgpu_launch.backends import ENGINES
-    assert sorted(cli.KERAS_BACKENDS) == sorted(ENGINES)
+def test_the_launchers_backend_list_is_the_backends_registry():
+    from mgpu_launch.backends import BACKENDS
+    assert cli.KERAS_BACKENDS == tuple(BACKENDS) == ("tensorflow", "jax", "torch")
 
 
 def test_the_timeline_reaches_the_ranks_through_the_jobs_environment(script, tmp_path,

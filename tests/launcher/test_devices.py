@@ -3,6 +3,13 @@
 import pytest
 
 from mgpu_launch.config.devices import PinningError, keras_backend, pin_gpu, visible_gpus
+from mgpu_launcher.worker import pins_by_visible_devices
+
+
+def pin(local_rank, local_size, environ):
+    """As the worker pins: the rule from the backend's facts (backends/<name>/__init__.py)."""
+    return pin_gpu(local_rank, local_size, environ,
+                   by_visible_devices=pins_by_visible_devices(environ))
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -16,16 +23,21 @@ def test_visible_gpus_follow_cuda_visible_devices(value, expected):
 @pytest.mark.parametrize("backend", ["tensorflow", "torch"])
 def test_pinning_sets_cuda_visible_devices(backend):
     environ = {"CUDA_VISIBLE_DEVICES": "4,5", "KERAS_BACKEND": backend}
-    assert pin_gpu(1, 2, environ) == "5"
+    assert pin(1, 2, environ) == "5"
     assert environ["CUDA_VISIBLE_DEVICES"] == "5"
     assert environ["MGPU_LOCAL_DEVICE"] == "1" and environ["MGPU_GPU"] == "5"
 
 
 def test_jax_keeps_every_gpu_visible():
     environ = {"CUDA_VISIBLE_DEVICES": "0,1", "KERAS_BACKEND": "jax"}
-    assert pin_gpu(1, 2, environ) == "1"
+    assert pin(1, 2, environ) == "1"
     assert environ["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert environ["MGPU_LOCAL_DEVICE"] == "1"
+
+
+def test_a_backend_without_an_engine_is_pinned_by_cuda_visible_devices():
+    environ = {"CUDA_VISIBLE_DEVICES": "0,1", "KERAS_BACKEND": "openvino"}
+    assert pin(1, 2, environ) == "1" and environ["CUDA_VISIBLE_DEVICES"] == "1"
 
 
 def test_no_gpu_pins_nothing():

@@ -206,8 +206,9 @@ def test_a_blacklisted_host_cools_down_longer_after_each_failure():
     assert blacklist.add("node2") == 20
     now[0] += 19
     assert blacklist.blocked() == ["node2"]
-    assert discovery.place(discovery.parse("node1:2\nnode2:2\n"), 3) == (3, "node1:2,node2:1")
-    assert discovery.host_of_rank("node1:2,node2:1", 2) == "node2"
+    np, placed = discovery.place(discovery.parse("node1:2\nnode2:2\n"), 3)
+    assert (np, str(placed)) == (3, "node1:2,node2:1")
+    assert [placed.host_of_rank(rank) for rank in range(4)] == ["node1", "node1", "node2", None]
 
 
 def _elastic(tmp_path, hosts_file, *argv, samples=SAMPLES, **env):

@@ -28,8 +28,8 @@ def test_a_host_mpirun_lost_before_the_first_step_is_blacklisted_and_the_job_res
     options = elastic.Options(script, min_np=2, max_np=4, timeout=5, cooldown=60, bare_slots=2)
     started = []
 
-    def start(np, hosts_arg, attempt, on_start):
-        started.append(hosts_arg)
+    def start(np, placed, attempt, on_start):
+        started.append(str(placed))
         if len(started) == 1:  # prterun names w1 by its first label, ssh by the whole name
             return supervisor.Outcome(255, lost_hosts=("w1", "w1.job.svc"))
         return supervisor.Outcome(0)
@@ -41,7 +41,7 @@ def test_a_host_mpirun_lost_before_the_first_step_is_blacklisted_and_the_job_res
             ) in capsys.readouterr().err
     # a failure before the first step that no lost host explains is still not restarted
     started.clear()
-    assert elastic.run(options, lambda *args: started.append(args[1])
+    assert elastic.run(options, lambda *args: started.append(str(args[1]))
                        or supervisor.Outcome(1)) == 1
     assert started == ["w0.job.svc:2,w1.job.svc:2"]
 
@@ -76,7 +76,7 @@ def test_only_the_same_error_twice_in_a_row_stops_the_restarts(tmp_path, reasons
                               1, None, cooldown=0, stop_repeated=stop)
     made = []
 
-    def start(np, hosts_arg, attempt, on_start):
+    def start(np, placed, attempt, on_start):
         made.append(attempt)
         return supervisor.Outcome(1, progressed=True, cause=supervisor.Failure(0, reasons[attempt]))
 

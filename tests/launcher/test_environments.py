@@ -96,3 +96,32 @@ def test_srun_pmi2_variables_are_slurms_not_mpichs():
     found = detect(environ)
     assert (found.rank, found.size, found.local_rank, found.local_size, found.source) == \
         (1, 2, 1, 2, "slurm")
+
+
+# -- the control plane each environment names (JAX's ClusterEnv shape: + coordinator address) --
+MASTER = {"MASTER_ADDR": "node1", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize("environ, expected", [
+    (OMPI, ("mpi", None)),
+    (PMI, ("mpi", None)),
+    (SLURM, ("mpi", None)),
+    ({**TORCHRUN, **MASTER}, ("torch", "node1:29500")),
+    ({**TORCHRUN, "MASTER_ADDR": "fd00::1", "MASTER_PORT": "29500"}, ("torch", "[fd00::1]:29500")),
+    (TORCHRUN, ("torch", None)),                                  # no coordinator named
+    ({**TORCHRUN, "MASTER_ADDR": "node1"}, ("torch", None)),      # half of one
+    ({**TORCHRUN, **MASTER, "MASTER_PORT": "port"}, ("torch", None)),
+    ({**OMPI, **MASTER}, ("mpi", None)),                          # MPI's ranks need none
+    ({}, (None, None)),                                           # one process talks to no one
+])
+def test_each_environment_names_its_control_plane_and_coordinator(environ, expected):
+    found = detect(environ)
+    assert (found.control_plane, found.coordinator_address) == expected
+
+
+def test_a_stray_coordinator_variable_fails_no_mpi_job():
+    # torchrun's names beside Open MPI's (RANK left over from an outer tool): MPI still wins,
+    # and the torchrun placement that is read alongside does not fail on MASTER_PORT
+    environ = {**OMPI, "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1",
+               "LOCAL_WORLD_SIZE": "2", "MASTER_PORT": "not a port"}
+    assert detect(environ).source == "openmpi"

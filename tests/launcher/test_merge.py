@@ -229,9 +229,11 @@ def test_all_ranks_output_shows_every_copy():
 def test_a_failure_marker_behind_stray_bytes_is_still_the_root_cause():
     # CI, 1 raised fault in 20: "[1] \ufffdmgpu-train: rank failure: ..." gave "root cause: unknown".
     out, err = io.StringIO(), io.StringIO()
-    relay = supervisor.OutputRelay(mpirun.OPENMPI, False, None, out, err, size=2)
-    relay.line("[1,1]<stderr>: \ufffdmgpu-train: rank failure: RuntimeError: boom (exit code 1)",
-               "stderr")
+    # (a marker carries the job's key: only then is it found behind other bytes, issue 58)
+    relay = supervisor.OutputRelay(mpirun.OPENMPI, False, None, out, err, size=2,
+                                   marker_key="0f1e2d3c4b5a6978")
+    relay.line("[1,1]<stderr>: \ufffd0f1e2d3c4b5a6978:mgpu-train: rank failure: RuntimeError: "
+               "boom (exit code 1)", "stderr")
     relay.flush()
     assert relay.root_cause() == supervisor.Failure(1, "RuntimeError: boom (exit code 1)")
     assert "rank 1 failed first: RuntimeError: boom" in relay.summary(1)

@@ -183,6 +183,7 @@ POD_DELETED_EXIT_0 = [
 
 def test_a_host_mpirun_lost_is_the_root_cause_when_no_rank_names_one():
     from mgpu_launcher import discovery, mpirun
+    from mgpu_launcher.hostlists import parse_hosts
 
     assert mpirun.OPENMPI.lost_hosts_in(POD_DELETED) == [
         "mgpu-digits-worker-1.mgpu-digits.default.svc", "mgpu-digits-worker-1"]
@@ -193,12 +194,12 @@ def test_a_host_mpirun_lost_is_the_root_cause_when_no_rank_names_one():
     assert mpirun.OPENMPI.lost_hosts_in(POD_DELETED_EXIT_0) == ["mgpu-digits-worker-1"]
     assert mpirun.MPICH.lost_hosts_in(POD_DELETED) == []
     # prterun shortens the name it was given; ssh keeps it: both are the same host of the -H list
-    hosts = ("mgpu-digits-worker-0.mgpu-digits.default.svc:2,"
-             "mgpu-digits-worker-1.mgpu-digits.default.svc:2")
+    hosts = parse_hosts("mgpu-digits-worker-0.mgpu-digits.default.svc:2,"
+                        "mgpu-digits-worker-1.mgpu-digits.default.svc:2")
     assert discovery.hosts_named(mpirun.OPENMPI.lost_hosts_in(POD_DELETED), hosts) == [
         "mgpu-digits-worker-1.mgpu-digits.default.svc"]
-    assert discovery.hosts_named(["node2"], "node2.a:1,node2.b:1") == []  # which one: unknown
-    assert discovery.hosts_named(["node2"], "node1:2,node2:2") == ["node2"]
+    assert discovery.hosts_named(["node2"], parse_hosts("node2.a:1,node2.b:1")) == []  # which one: unknown
+    assert discovery.hosts_named(["node2"], parse_hosts("node1:2,node2:2")) == ["node2"]
     assert discovery.hosts_named(["mgpu-digits-launcher"], hosts) == []
     summary = _relay(*POD_DELETED).summary(255)
     assert summary.splitlines()[1] == (

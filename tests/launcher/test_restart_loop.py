@@ -61,7 +61,7 @@ def _elastic(tmp_path, outcomes, max_restarts=3, **options):
     script = elastickit.executable(tmp_path / "discover.sh", "echo a:2; echo b:1")
     policy = elastic.ElasticRestarts(
         elastic.Options(script, min_np=1, max_np=None, timeout=0, **options),
-        lambda np, hosts, attempt, on_start: started.append((np, hosts, attempt))
+        lambda np, hosts, attempt, on_start: started.append((np, str(hosts), attempt))
         or outcomes[len(started) - 1], max_restarts)
     started = []
     return restarts.run_attempts(policy), started

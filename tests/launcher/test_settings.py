@@ -154,7 +154,7 @@ def test_a_typo_is_a_warning_naming_the_closest_setting(monkeypatch, capsys):
 def test_a_bad_fusion_size_no_longer_falls_back_to_the_base_engine(monkeypatch):
     from mgpu_launch import backends
     monkeypatch.setattr(backends, "_engine", None)
-    assert type(backends.get_engine_or_default("no-such-backend")) is backends.Engine
+    assert type(backends.get_engine_or_default("no-such-backend")) is backends.KerasOnly
     with pytest.raises(backends.UnknownBackend, match="supported: jax, tensorflow, torch"):
         backends.get_engine("no-such-backend")
     monkeypatch.setenv("MGPU_FUSION_MB", "big")

@@ -71,6 +71,8 @@ def test_unpicklable_arguments_are_refused_before_anything_starts():
         mgpu_launch.run(run_fns.rank_and_size, args=(threading.Lock(),), np=2)
     with pytest.raises(ValueError, match=r"np=0; expected a whole number"):
         mgpu_launch.run(run_fns.rank_and_size, np=0)
+    with pytest.raises(ValueError, match=r"--hosts entry 'node1:x' does not parse"):
+        mgpu_launch.run(run_fns.rank_and_size, np=2, hosts="node1:x")  # read once, here
 
 
 def test_works_from_a_python_c_driver_with_a_function_defined_there(tmp_path):

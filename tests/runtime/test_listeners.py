@@ -163,3 +163,7 @@ def test_tensorflow_grpc_server_is_the_one_wildcard_listener_of_its_transport(tm
     wide = _wildcards(listening, processes, allowed_ports=grpc_ports)
     assert not wide, (f"listeners on every interface besides TensorFlow's gRPC server: {wide}\n"
                       f"all listeners: {listening}")
+    # the job's ServerDef names the job's (loopback) address, and still (ss above) every
+    # interface: a one-host job says so (issue 58, item 6)
+    assert output.count("TensorFlow's collective runtime listens on every network interface "
+                        "of this host") == 1, output[-3000:]

@@ -68,16 +68,17 @@ def test_one_rank_decides_and_every_rank_raises_alike():
     mgpu.init()
     refusals = {KeyError: lambda why: PermissionError(f"refused: {why}"),
                 LookupError: lambda why: OSError(f"looked: {why}")}
-    assert agreement.decided_by_root(lambda: 7, refusals) == 7
+    assert agreement.decided_by_root(None, lambda: 7, refusals) == 7
 
     def refuse(error):
         raise error
     with pytest.raises(PermissionError, match="refused: 'k'"):
-        agreement.decided_by_root(lambda: refuse(KeyError("k")), refusals)
+        agreement.decided_by_root(None, lambda: refuse(KeyError("k")), refusals)
     with pytest.raises(OSError, match="looked: i"):   # the first matching type decides
-        agreement.decided_by_root(lambda: refuse(IndexError("i")), refusals)
+        agreement.decided_by_root(None, lambda: refuse(IndexError("i")), refusals)
     with pytest.raises(ZeroDivisionError):             # a bug is not a refusal
-        agreement.decided_by_root(lambda: 1 / 0, refusals)
-    agreement.raise_any_rank("", lambda rank, why: RuntimeError(why))
+        agreement.decided_by_root(None, lambda: 1 / 0, refusals)
+    agreement.raise_any_rank(None, "", lambda rank, why: RuntimeError(why))
     with pytest.raises(RuntimeError, match="rank 0: broke"):
-        agreement.raise_any_rank("broke", lambda rank, why: RuntimeError(f"rank {rank}: {why}"))
+        agreement.raise_any_rank(None, "broke",
+                                 lambda rank, why: RuntimeError(f"rank {rank}: {why}"))

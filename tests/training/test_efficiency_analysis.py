@@ -184,3 +184,34 @@ def test_a_small_job_is_still_judged_when_a_real_cause_dominates_or_its_steps_ou
     assert "not judged" not in text and "  lost: " in text, text
     assert "the rest" in text and "(validation and epoch ends: 6%)" in text, text
     assert "in a median step" not in text  # the epoch ends are 6%: the two rates agree
+
+
+def test_the_input_advice_fits_what_fit_was_given():
+    # input dominates: the advice must not ask a user of mgpu.data.shard's tf.data for a
+    # .prefetch that shard added already (it cannot see it), and must name it for a tf.data of
+    # the user's own
+    figures = {"shares": {"input": 0.3, "wait": 0.0, "comm": 0.0, "callbacks": 0.0,
+                          "other": 0.0}, "late": None, "communication": None}
+    sharded = efficiency.advice(dict(figures, input_kind="shard tf.data"))
+    assert sharded.startswith("input: the step waits for its batches")
+    assert "prefetched already" in sharded and ".prefetch(tf.data.AUTOTUNE)" not in sharded
+    assert "mgpu.data.shard((x, y), batch_size=...)" in sharded
+    assert ".prefetch(tf.data.AUTOTUNE)" in efficiency.advice(dict(figures, input_kind="tf.data"))
+    assert "workers=4" in efficiency.advice(dict(figures, input_kind="PyDataset"))
+    assert "workers=4" in efficiency.advice(figures)  # not known: every remedy
+
+
+def test_what_fit_was_given_is_told_apart():
+    tf = pytest.importorskip("tensorflow")
+    import keras
+    import numpy as np
+
+    from mgpu_launch import data
+    from mgpu_launch.training import sharded
+    x = np.zeros((8, 2), "float32")
+    own = tf.data.Dataset.from_tensor_slices(x)
+    assert sharded.input_kind(data.shard(own, batch_size=2)) == "shard tf.data"
+    assert sharded.input_kind(own.batch(2)) == "tf.data"
+    assert sharded.input_kind(data.shard(x, batch_size=2)) == "PyDataset"
+    assert sharded.input_kind((x, x)) == sharded.input_kind(x) == "arrays"
+    assert sharded.input_kind(keras.utils.PyDataset()) == "PyDataset"

@@ -4,7 +4,9 @@ begins the next epoch's batches while this one ends where that gives Keras's bat
 The feed itself (passes in order, dropped passes, the run-ahead and its limit), then real fits
 against Keras's own feeding (``MGPU_PREFETCH=0``): the batches each step sees and the weights,
 over several epochs, with shuffled arrays and with a PyDataset that reshuffles in
-``on_epoch_end``, validation between the epochs.
+``on_epoch_end``, validation between the epochs. Only arrays in their own order begin early
+(issue 58): a PyDataset drawing from ``random`` and a callback drawing between epochs keep
+Keras's order.
 """
 
 import threading
@@ -198,9 +200,22 @@ def _fit(depth, data, monkeypatch, eager, callbacks=()):
     return Recorder.seen, weights, threads
 
 
+def _shard_tf_data():
+    """The README's recipe on _arrays: mgpu.data.shard of a tf.data, shuffled, batches of 4."""
+    tf = pytest.importorskip("tensorflow")
+    return mgpu.data.shard(tf.data.Dataset.from_tensor_slices(_arrays()), batch_size=4,
+                           shuffle=True, seed=3)
+
+
+def _own_tf_data():
+    """The same pipeline built by hand (not by shard): mgpu cannot know its next epoch early."""
+    tf = pytest.importorskip("tensorflow")
+    return tf.data.Dataset.from_tensor_slices(_arrays()).shuffle(20, seed=3).batch(4)
+
+
 @pytest.mark.backend
-@pytest.mark.parametrize("data", ["arrays", Reshuffled], ids=["shuffled arrays",
-                                                               "reshuffling PyDataset"])
+@pytest.mark.parametrize("data", ["arrays", Reshuffled, _shard_tf_data],
+                         ids=["shuffled arrays", "reshuffling PyDataset", "shard of a tf.data"])
 def test_every_step_sees_keras_own_batches_in_order_and_the_weights_match(monkeypatch, data):
     seen, _, threads = _fit(2, data, monkeypatch, eager=True)
     keras_seen, _, keras_threads = _fit(0, data, monkeypatch, eager=True)
@@ -218,18 +233,35 @@ class AtEpochBegin(keras.callbacks.Callback):
     """At each epoch's beginning, after the first: waits (up to 10 s) until the prefetch thread
     has copied a batch of that epoch, and remembers whether it had."""
 
-    def __init__(self, copies, per_epoch):
+    def __init__(self, copies, per_epoch, seconds=10):
         super().__init__()
-        self.copies, self.per_epoch, self.ahead = copies, per_epoch, []
+        self.copies, self.per_epoch, self.ahead, self.seconds = copies, per_epoch, [], seconds
 
     def on_epoch_begin(self, epoch, logs=None):
         if epoch:
-            self.ahead.append(_wait_for(lambda: len(self.copies) > epoch * self.per_epoch + 1))
+            self.ahead.append(_wait_for(lambda: len(self.copies) > epoch * self.per_epoch + 1,
+                                        self.seconds))
+
+
+class SaysItBeginsEarly(Plain):
+    mgpu_begin_early = True  # its batches depend on their index only
 
 
 @pytest.mark.backend
-@pytest.mark.parametrize("data", ["arrays", Plain], ids=["arrays", "plain PyDataset"])
-def test_the_next_epoch_is_copied_before_it_begins(monkeypatch, data):
+@pytest.mark.parametrize("data, shuffle, ahead", [
+    ("arrays", False, True), ("arrays", True, False), (Plain, None, False),
+    (SaysItBeginsEarly, None, True), (_shard_tf_data, None, BACKEND == "jax"),
+    (_own_tf_data, None, False)],
+    ids=["arrays in order", "shuffled arrays", "plain PyDataset", "PyDataset that says so",
+         "shard of a tf.data", "a tf.data of its own"])
+def test_the_next_epoch_is_copied_before_it_begins(monkeypatch, data, shuffle, ahead):
+    """Only where nothing between epochs can change the next epoch's batches: arrays in their
+    own order, and a PyDataset whose class says ``mgpu_begin_early = True``. A shuffled array's
+    permutation comes from numpy's global generator, and another PyDataset's __getitem__ is the
+    user's code (issue 58): those begin when Keras would. shard's tf.data decides its next
+    epoch's order inside tf.data: begun early on JAX, the same batches (on TensorFlow Keras
+    makes two tf.data iterators an epoch, so the feed waits to repeat them); any other tf.data
+    waits for its epoch, as Keras's own feeding does."""
     if BACKEND == "torch":
         pytest.skip("torch: each epoch's DataLoader draws from torch's global generator as it "
                     "starts, so mgpu begins it when Keras would (no run-ahead)")
@@ -247,12 +279,12 @@ def test_the_next_epoch_is_copied_before_it_begins(monkeypatch, data):
     model.compile(mgpu.DistributedOptimizer(keras.optimizers.SGD(0.1)), "mse")
     model.fit(*_arrays(), batch_size=4, epochs=1, verbose=0)  # built: no build batch below
     copies.clear()
-    timer = AtEpochBegin(copies, per_epoch=5)
+    timer = AtEpochBegin(copies, per_epoch=5, seconds=10 if ahead else 1)
     x, y = _arrays()
     args = (x, y) if data == "arrays" else (data(),)
     model.fit(*args, batch_size=4 if data == "arrays" else None, epochs=3, verbose=0,
-              callbacks=[timer])
-    assert timer.ahead == [True, True]
+              callbacks=[timer], **({} if shuffle is None else {"shuffle": shuffle}))
+    assert timer.ahead == [ahead, ahead]
     time.sleep(0.3)
     assert len(copies) == 15  # nothing of a fourth epoch the fit will not run
 
@@ -299,3 +331,46 @@ def test_steps_per_epoch_shorter_than_the_data_keeps_keras_batches(monkeypatch):
                   verbose=0)
         return np.concatenate([np.ravel(w) for w in model.get_weights()])
     np.testing.assert_allclose(weights(2), weights(0), rtol=1e-6)
+
+
+# -- issue 58, item 7: data whose order depends on what runs between epochs ---------------------
+class DrawsFromRandom(keras.utils.PyDataset):
+    """Five batches, each shifted by a draw from Python's `random` (seeded when made): its
+    order depends on every other draw of the program, e.g. a callback's between epochs."""
+
+    def __init__(self):
+        super().__init__()
+        import random
+        random.seed(11)
+        self.data = Reshuffled()
+
+    def __len__(self):
+        return 5
+
+    def __getitem__(self, index):
+        import random
+        x, y = self.data[index]
+        return x + np.float32(random.random()), y
+
+
+class DrawsBetweenEpochs(keras.callbacks.Callback):
+    """The user's code between epochs: one draw from `random` and one from numpy's generator."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        import random
+        random.random()
+        np.random.random()
+
+
+@pytest.mark.backend
+@pytest.mark.parametrize("data", ["arrays", DrawsFromRandom],
+                         ids=["shuffled arrays", "PyDataset drawing from random"])
+def test_draws_between_epochs_leave_keras_order(monkeypatch, data):
+    """Keras makes each epoch's batches after the previous epoch's callbacks: a PyDataset's
+    draws from `random` and a shuffled array's permutation (numpy's global generator) then
+    come after the user's draws there. Begun early, the next epoch would see other numbers."""
+    keras_seen = _fit(0, data, monkeypatch, eager=True, callbacks=[DrawsBetweenEpochs()])[0]
+    assert len(keras_seen) == 15
+    for _ in range(2):  # two runs, both Keras's order
+        seen = _fit(2, data, monkeypatch, eager=True, callbacks=[DrawsBetweenEpochs()])[0]
+        assert seen == keras_seen

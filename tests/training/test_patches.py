@@ -10,22 +10,23 @@ import pytest
 
 keras = pytest.importorskip("keras")
 
-from mgpu_launch import keras_internals
+from mgpu_launch import backends, keras_internals  # noqa: E402
 from mgpu_launch.training import patches  # noqa: E402
 from mgpu_launch.training.patches import PATCHES, KerasInternalsError, Patch  # noqa: E402
 
 BACKEND = keras.backend.backend()
-# The other backends' trainer modules import their framework: only this backend's are checked
-# here (the suite runs once per backend).
-MINE = sorted(set(patches.BY_BACKEND[BACKEND]) | {"compile", "resume_iterator"}
-              | (set(patches.FOR_CUDA_GRAPHS) if BACKEND == "torch" else set()))
+# The other backends' trainer modules import their framework: only this backend's patch set
+# (its engine's) is checked here (the suite runs once per backend).
+OWN = {r.name: r.patch
+       for r in backends.get_engine_or_default(BACKEND).keras_patches(patches.hooks()).all()}
+MINE = dict(OWN, **PATCHES)
 
 
 @pytest.mark.backend
-@pytest.mark.parametrize("name", MINE)
+@pytest.mark.parametrize("name", sorted(MINE))
 def test_every_patch_of_this_backend_matches_the_installed_keras(name):
-    original = PATCHES[name].check()
-    assert original is not None or PATCHES[name].optional
+    original = MINE[name].check()
+    assert original is not None or MINE[name].optional
 
 
 def test_a_missing_attribute_names_the_keras_version_and_the_attribute():
@@ -64,33 +65,53 @@ def test_an_optional_attribute_may_be_absent_but_not_reshaped():
         Patch("keras.src.models.model:Model", "fit", ("self", "data"), optional=True).check()
 
 
+def test_each_backend_declares_its_patches_in_its_own_folder():
+    assert BACKEND in backends.BACKENDS and OWN, "the engine returns a patch set"
+    assert all(name.startswith(("torch", "jax", "tf")) for name in OWN)
+    assert not set(OWN) & set(PATCHES), "a backend's patch shadows a shared one"
+
+
 @pytest.mark.backend
 def test_install_wraps_once_and_only_its_backends_attributes():
-    class Marker:
-        pass
-
-    patches.install(Marker)
-    patches.install(Marker)
-    for name in patches.BY_BACKEND[BACKEND]:
-        patch = PATCHES[name]
+    first = patches.install()
+    assert patches.install() is first is patches.installed()  # once: the same context
+    installed = [r.patch for r in first.patch_set.every_model + first.patch_set.kernels]
+    for patch in installed + [PATCHES["fit"], PATCHES["compile_config"]]:
         current = getattr(patch.owner_class(), patch.attribute, None)
         if current is None:
             assert patch.optional
             continue
-        assert getattr(current, "_mgpu", False), name
-        assert not getattr(current.__wrapped__, "_mgpu", False), f"{name} wrapped twice"
+        assert getattr(current, "_mgpu", False), patch
+        assert not getattr(current.__wrapped__, "_mgpu", False), f"{patch} wrapped twice"
     # the patched attribute still checks: the check looks through our wrapper
     assert PATCHES["fit"].check() is keras.Model.fit
+
+
+@pytest.mark.backend
+def test_a_script_without_init_gets_the_context_from_its_first_distributed_optimizer(
+        monkeypatch):
+    import mgpu_launch as mgpu
+    monkeypatch.setattr(patches, "_context", None)
+    optimizer = mgpu.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    context = patches.installed()
+    assert context is not None and context.patch_set is not None
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer, "mse")
+    assert patches.uses_distributed_optimizer(model)
+    mgpu.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    assert patches.installed() is context  # installed once
+
+
+def test_keras_2_names_are_checked():
+    with pytest.raises(ValueError, match=r"\['fit'\] are not Keras 2 patches"):
+        patches.install(("fit",), models=False)
 
 
 @pytest.mark.backend
 def test_a_model_without_the_distributed_optimizer_trains_through_the_patches_unchanged():
     import numpy as np
 
-    class Marker:
-        pass
-
-    patches.install(Marker)
+    patches.install()
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     model.compile("sgd", "mse")
     assert not patches.uses_distributed_optimizer(model)

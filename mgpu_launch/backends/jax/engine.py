@@ -31,7 +31,7 @@ from typing import Any, List, Sequence
 
 import numpy as np
 
-from mgpu_launch.backends import Engine, reduction
+from mgpu_launch.backends import Engine, reduction, shared
 from mgpu_launch.runtime.rendezvous import bind_address, job_host_address, rendezvous
 from mgpu_launch.config import settings
 
@@ -60,18 +60,25 @@ def _create_cpu_backend(host: str) -> None:
         module.make_gloo_tcp_collectives = original
 
 
-class JaxEngine(Engine):
+class JaxEngine(shared.KerasFeeding, shared.KerasTrainStep, shared.HostBroadcast,
+                shared.DenseReduction, shared.EveryRankOnly, shared.GroupCheck,
+                shared.DefaultReductionTiming, shared.NoBuildInfo, Engine):
     name = "jax"
 
     def __init__(self):
         self.size = 1
-        self.comm = self.mesh = self.device = None
+        self.mesh = self.device = None
         self._in_step = False
         self._checked_batches = set()
         #: bytes per fused allreduce buffer; 0: one psum of the list, fused by XLA's combiner
         self.fusion_bytes = int(settings.number("MGPU_FUSION_MB", fallback=64.0) * 2 ** 20)
         #: profiling only: gradients are NOT averaged (each rank keeps size x its own)
         self.skip_allreduce = settings.flag("MGPU_PROFILE_SKIP_ALLREDUCE")
+
+    def set_skip_allreduce(self, skip: bool) -> bool:
+        """Set :attr:`skip_allreduce` (the next compiled step follows it)."""
+        self.skip_allreduce = bool(skip)
+        return True
 
     # -- set-up -------------------------------------------------------------------------------
     def setup(self, state) -> None:
@@ -86,7 +93,7 @@ class JaxEngine(Engine):
                 "initialized first), but JAX's backends are already up in this process. Call "
                 "mgpu.init() at the top of the script, before building a model or creating "
                 "any array (importing keras and jax before it is fine).")
-        self.size, self.comm = state.size, state.comm
+        self.size = state.size
         timeout = int(settings.seconds("MGPU_JAX_INIT_TIMEOUT"))
         options = {}
         gloo_host = None
@@ -128,6 +135,11 @@ class JaxEngine(Engine):
         if keras.distribution.distribution() is not None:
             return None  # keras.distribution lays batches out itself
         return epoch_iterator.data_adapter.get_jax_iterator()
+
+    def runs_sharded_tf_data_ahead(self) -> bool:
+        """Yes: Keras's JAX iterator of a tf.data makes one tf.data iterator an epoch, when
+        first read, as the feed's passes do, so running ahead keeps Keras's order."""
+        return True
 
     def prefetch_transfer(self):
         return _to_device()
@@ -266,6 +278,11 @@ class JaxEngine(Engine):
             variable.assign(value)
 
     # -- the distributed train function ------------------------------------------------------------
+    def keras_patches(self, hooks):
+        """The jax patch set (``backends/jax/patches.py``)."""
+        from mgpu_launch.backends.jax import patches
+        return patches.patch_set(hooks)
+
     def owns_train_step(self) -> bool:
         return self.mesh is not None  # set up for a multi-process job
 

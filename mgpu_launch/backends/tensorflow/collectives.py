@@ -41,19 +41,12 @@ whatever the number of ranks): values arrive exactly, except that a root's -0.0 
 """
 
 import functools
-import zlib
 from typing import Any, List, NamedTuple, Sequence
 
 import numpy as np
 
 from mgpu_launch import runtime
 
-#: instance keys of padded gathers: [_BUCKET_REGION, 2**31), blocks of _BLOCK keys, one block
-#: per gather signature and one key per bucket in it (the engine's derived keys live in
-#: [1, 2**30], its counter counts up from 2**30: it would need 2**29 executions to get here)
-_BUCKET_REGION = 3 * 2 ** 29
-_BLOCK = 1024
-_BLOCKS = (2 ** 31 - _BUCKET_REGION) // _BLOCK
 #: dtypes CollectiveGatherV2 takes as they are (TensorFlow 2.21, CPU)
 _GATHERABLE = ("float32", "float16", "float64", "int32", "int64")
 _REDUCIBLE = _GATHERABLE + ("bfloat16",)
@@ -71,7 +64,7 @@ class Members(NamedTuple):
     Attributes:
         size: the collective group's size.
         key: its TensorFlow group key (1: every rank; ``1 + id`` for process set ``id``).
-        comm: its MPI communicator (``MGPU_TF_TRANSPORT=mpi``).
+        control_plane: its group of the runtime's transport (``MGPU_TF_TRANSPORT=mpi``).
         rank: this process's position in the group.
         tag: prefix of its instance keys' signatures ("" for every rank).
         process_set_id: 0 for every rank.
@@ -79,7 +72,7 @@ class Members(NamedTuple):
 
     size: int
     key: int
-    comm: Any
+    control_plane: Any
     rank: int
     tag: str
     process_set_id: int
@@ -93,8 +86,9 @@ def members(engine, group=None, what: str = "collective") -> Members:
     """
     rank = runtime.state.rank
     if group is None or group.process_set_id == 0:
-        return Members(engine.size, 1, engine.comm, rank, "", 0)
-    return Members(group.size, 1 + group.process_set_id, group.comm, group.index(rank, what),
+        return Members(engine.size, 1, engine.control_plane, rank, "", 0)
+    return Members(group.size, 1 + group.process_set_id, group.transport,
+                   group.index(rank, what),
                    f"set{group.process_set_id}:", group.process_set_id)
 
 
@@ -127,21 +121,8 @@ def _check_dynamic_ok(what: str) -> None:
             f"use allreduce / broadcast, whose shapes are static.")
 
 
-def _position(engine, base) -> int:
-    """How many collectives of signature `base` the graph being traced issued before this one
-    (0 eagerly): part of a collective's key, so every rank derives the same keys."""
-    tf = _tf()
-    from tensorflow.python.framework import ops
-
-    if tf.executing_eagerly():
-        return 0
-    seen = engine._positions.setdefault(ops.get_default_graph(), {})
-    seen[base] = seen.get(base, -1) + 1
-    return seen[base]
-
-
 def _bucket(rows):
-    """(padded row count >= rows, bucket number < _BLOCK) for an int64 scalar `rows`."""
+    """(padded row count >= rows, bucket number < keys.BLOCK) for an int64 scalar `rows`."""
     tf = _tf()
     powers = tf.constant([1 << k for k in range(63)], tf.int64)
     bit_length = tf.reduce_sum(tf.cast(rows >= powers, tf.int64))
@@ -151,23 +132,11 @@ def _bucket(rows):
     return units * unit, shift * 17 + units
 
 
-def _bucket_key_base(engine, signature: str) -> int:
-    blocks = engine.__dict__.setdefault("_bucket_blocks", {})
-    block = zlib.crc32(signature.encode()) % _BLOCKS
-    known = blocks.setdefault(block, signature)
-    if known != signature:
-        raise RuntimeError(
-            f"mgpu: two different TensorFlow gathers ({known} and {signature}) map to key block "
-            f"{block}. This is a hash collision, not a mistake of yours; report it, and "
-            f"meanwhile change one tensor's trailing shape or dtype.")
-    return _BUCKET_REGION + block * _BLOCK
-
-
 def _gather_equal(engine, tensor, key, group: Members):
     tf = _tf()
     return tf.raw_ops.CollectiveGatherV2(
         input=tensor, group_size=group.size, group_key=group.key, instance_key=key,
-        ordering_token=[engine._ordering_token.handle],
+        ordering_token=[engine.keys.ordering_token.handle],
         communication_hint=engine.implementation, timeout_seconds=engine.timeout)
 
 
@@ -186,17 +155,17 @@ def allgather_rows(engine, tensors: Sequence[Any], group=None) -> List[Any]:
     if group.size == 1:
         return [tf.identity(t) for t in tensors]
     if engine.transport == "mpi":
-        return [_mpi_allgather(group.comm, t) for t in tensors]
+        return [_mpi_allgather(group.control_plane, t) for t in tensors]
     _check_dynamic_ok("allgather")
     rows = tf.shape(tensors[0], out_type=tf.int64)[:1]
-    counts = _gather_equal(engine, rows, engine._instance_key_for(rows, "rows", group), group)
+    counts = _gather_equal(engine, rows, engine.keys.for_collective(rows, "rows", group), group)
     padded, bucket = _bucket(tf.reduce_max(counts))
     results = []
     for tensor in tensors:
         wire, back = _to_wire(tensor, _GATHERABLE)
         rest = wire.shape[1:]
         signature = f"{group.tag}gather:{wire.dtype.name}:{rest.as_list()}"
-        base = _bucket_key_base(engine, f"{signature}:{_position(engine, signature)}")
+        base = engine.keys.bucket_base(f"{signature}:{engine.keys.position(signature)}")
         key = tf.cast(base + bucket, tf.int32)
         pad = tf.concat([[padded - rows[0]], tf.zeros([rest.rank], tf.int64)], axis=0)
         wire = tf.pad(wire, tf.stack([tf.zeros_like(pad), pad], axis=1))
@@ -217,7 +186,7 @@ def _elementwise(engine, tensor, group: Members, on_host, in_graph):
         return tf.identity(tensor)
     if engine.transport == "mpi":
         return on_host(tensor)
-    engine._check_not_xla()
+    engine.check_not_xla()
     wire, back = _to_wire(tensor, _REDUCIBLE)  # value-preserving casts: the op is unchanged
     return back(in_graph(wire))
 
@@ -231,7 +200,7 @@ def broadcast(engine, tensor, root_rank: int, group=None):
     def in_graph(wire):
         mine = wire if runtime.state.rank == root_rank else _tf().zeros_like(wire)
         return engine.collective_reduce(mine, kind="bcast", members=group)
-    return _elementwise(engine, tensor, group, lambda t: _mpi_broadcast(group.comm, t, root),
+    return _elementwise(engine, tensor, group, lambda t: _mpi_broadcast(group.control_plane, t, root),
                         in_graph)
 
 
@@ -248,7 +217,7 @@ def reduce(engine, tensor, op: str, group=None):
                          f"its collective reduce only for sum and product). Call it from a "
                          f"tf.function without jit_compile=True, or outside the compiled step.")
     group = members(engine, group, op)
-    return _elementwise(engine, tensor, group, lambda t: mpi_reduce(group.comm, t, op),
+    return _elementwise(engine, tensor, group, lambda t: mpi_reduce(group.control_plane, t, op),
                         lambda wire: engine.collective_reduce(wire, kind=op,
                                                               merge_op=_MERGE_OPS[op],
                                                               members=group))
@@ -298,7 +267,7 @@ def gather_static(engine, tensors: Sequence[Any], group=None) -> List[Any]:
             wire, back = _to_wire(tensor, _REDUCIBLE)
         rest = wire.shape[1:]
         signature = f"{group.tag}static-gather:{wire.dtype.name}:{rest.as_list()}"
-        base = _bucket_key_base(engine, f"{signature}:{_position(engine, signature)}")
+        base = engine.keys.bucket_base(f"{signature}:{engine.keys.position(signature)}")
         # this rank's block, padded with zero rows, at its offset among size blocks of zeros
         before = tf.cast(rank, tf.int64) * padded
         after = tf.cast(size - 1 - rank, tf.int64) * padded + (padded - rows)
@@ -307,7 +276,7 @@ def gather_static(engine, tensors: Sequence[Any], group=None) -> List[Any]:
         summed = tf.raw_ops.CollectiveReduceV2(
             input=placed, group_size=size, group_key=group.key,
             instance_key=tf.cast(base + bucket, tf.int32),
-            ordering_token=[engine._ordering_token.handle], merge_op="Add", final_op="Id",
+            ordering_token=[engine.keys.ordering_token.handle], merge_op="Add", final_op="Id",
             communication_hint=engine.implementation, timeout_seconds=engine.timeout)
         results.append(back(tf.ensure_shape(summed, [None] + rest.as_list())))
     return results
@@ -346,40 +315,31 @@ def _host_call(function, tensor, dtype, shape):
     return result
 
 
-def _mpi_allgather(comm, tensor):
+def _mpi_allgather(transport, tensor):
 
     def gather(array):
         array = np.ascontiguousarray(array)
-        rows = comm.allgather(array.shape[0])
-        row_bytes = int(np.prod(array.shape[1:], dtype=np.int64)) * array.itemsize
-        out = np.empty((sum(rows),) + array.shape[1:], array.dtype)
-        counts = [count * row_bytes for count in rows]
-        comm.Allgatherv(array.view(np.uint8).reshape(-1), [out.view(np.uint8).reshape(-1), counts])
-        return out
+        return transport.allgather_array(array, transport.allgather_object(array.shape[0]))
 
     return _host_call(gather, tensor, tensor.dtype, [None] + tensor.shape[1:].as_list())
 
 
-def _mpi_broadcast(comm, tensor, root_rank):
+def _mpi_broadcast(transport, tensor, root_rank):
 
     def bcast(array):
-        out = np.ascontiguousarray(array).copy()
-        comm.Bcast(out.view(np.uint8).reshape(-1), root=root_rank)
-        return out
+        return transport.broadcast_array(np.ascontiguousarray(array), root_rank)
 
     return _host_call(bcast, tensor, tensor.dtype, tensor.shape)
 
 
-def mpi_reduce(comm, tensor, op):
-    """`tensor` reduced by MPI over `comm` (op: sum, min, max, product), out of the graph;
-    16-bit floats travel as float32."""
-    from mpi4py import MPI
-    mpi_op = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "product": MPI.PROD}[op]
+def mpi_reduce(transport, tensor, op):
+    """`tensor` reduced over `transport` (the runtime's MPI transport or a process set's
+    group of it; op: sum, min, max, product), out of the graph; 16-bit floats travel as
+    float32."""
 
     def host_reduce(array):
         wire = array if array.dtype.itemsize >= 4 else array.astype(np.float32)
-        out = np.empty_like(wire)
-        comm.Allreduce(np.ascontiguousarray(wire), out, op=mpi_op)
+        out = transport.allreduce_array(np.ascontiguousarray(wire), op)
         return out.astype(array.dtype, copy=False)
 
     return _host_call(host_reduce, tensor, tensor.dtype, tensor.shape)

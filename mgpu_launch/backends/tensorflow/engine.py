@@ -42,21 +42,17 @@ has not run here (docs/backends.md says what did).
 """
 
 import sys
-import weakref
-import zlib
 from typing import Any, List, Sequence
 
 import numpy as np
 
-from mgpu_launch.backends import Engine, api, reduction
+from mgpu_launch.backends import Engine, api, reduction, shared
 from mgpu_launch.backends.tensorflow import collectives as tensorflow_collectives, feeding as tensorflow_feeding, server as tensorflow_server
+from mgpu_launch.backends.tensorflow.keys import CollectiveKeys
 from mgpu_launch.runtime.rendezvous import reserved_port
 from mgpu_launch.config import settings
 
 _JOB = "worker"
-# Keys derived from a collective's signature live in [1, _FIXED_KEYS]; the counter for buffers
-# of unknown shape counts above it, so the two never meet.
-_FIXED_KEYS = 2 ** 30
 
 
 def _elements(tensor) -> int:
@@ -83,7 +79,9 @@ def _shaped_like(gradient, variable):
     return tf.reshape(gradient, tuple(shape))
 
 
-class TensorFlowEngine(Engine, api.GraphCollectives):
+class TensorFlowEngine(shared.KerasFeeding, shared.KerasTrainStep, shared.DenseReduction,
+                       shared.HasProcessSets, shared.GroupCheck, shared.GatherBySum,
+                       shared.DefaultReductionTiming, Engine, api.GraphCollectives):
     name = "tensorflow"
 
     def __init__(self):
@@ -94,12 +92,9 @@ class TensorFlowEngine(Engine, api.GraphCollectives):
         #: profiling only (mgpu-bench --profile): the step without its gradient sum
         self.skip_allreduce = settings.flag("MGPU_PROFILE_SKIP_ALLREDUCE")
         self.size = 1
-        self.comm = None
-        self._instance_key = self._ordering_token = None
-        self._signatures = {}  # fixed instance key -> the signature it was derived from
-        self._set_counters = {}  # TF group key of a process set -> its fresh-key counter
-        # graph being traced -> {(dtype, shape): collectives of that signature traced so far}
-        self._positions = weakref.WeakKeyDictionary()
+        self.control_plane = None  # the runtime's transport (MGPU_TF_TRANSPORT=mpi)
+        #: the collectives' instance keys and ordering token (collectives.py uses them too)
+        self.keys = CollectiveKeys()
 
     # -- set-up -------------------------------------------------------------------------------
     def setup(self, state) -> None:
@@ -107,7 +102,7 @@ class TensorFlowEngine(Engine, api.GraphCollectives):
         from tensorflow.core.protobuf import tensorflow_server_pb2
         from tensorflow.python.eager import context
 
-        self.size, self.comm = state.size, state.comm
+        self.size, self.control_plane = state.size, state.transport
         if self.transport == "mpi":
             return
         ctx = context.context()
@@ -120,7 +115,8 @@ class TensorFlowEngine(Engine, api.GraphCollectives):
         if self.implementation == "auto":
             self.implementation = "ring" if shared_gpu else "auto"
         with reserved_port() as port:  # held until TF's server listens on it
-            addresses = state.comm.allgather(f"{tensorflow_server.reachable_host(state)}:{port}")
+            addresses = state.transport.allgather_object(
+                f"{tensorflow_server.reachable_host(state)}:{port}")
             ctx.configure_collective_ops(
                 collective_leader=f"/job:{_JOB}/replica:0/task:0",
                 scoped_allocator_enabled_ops=("CollectiveReduce",),
@@ -134,11 +130,7 @@ class TensorFlowEngine(Engine, api.GraphCollectives):
         warning = tensorflow_server.grpc_exposure_warning(state, port)
         if warning:
             print(warning, file=sys.stderr, flush=True)
-        with tf.init_scope():
-            self._instance_key = tf.Variable(_FIXED_KEYS, dtype=tf.int32, trainable=False,
-                                             name="mgpu_collective_instance_key")
-            self._ordering_token = tf.Variable(0.0, trainable=False,
-                                               name="mgpu_collective_ordering_token")
+        self.keys.create()
 
     @staticmethod
     def _share_gpus(tf, state) -> bool:
@@ -166,6 +158,11 @@ class TensorFlowEngine(Engine, api.GraphCollectives):
         (``MGPU_TF_WIDEN_INT32``; see :mod:`~mgpu_launch.backends.tensorflow.feeding`)."""
         return tensorflow_feeding.device_transfer()
 
+    def keras_patches(self, hooks):
+        """The tensorflow patch set (``backends/tensorflow/patches.py``)."""
+        from mgpu_launch.backends.tensorflow import patches
+        return patches.patch_set(hooks)
+
     def compiles_collectives(self) -> bool:
         """Whether the step's collectives can be compiled by XLA here: on GPU, with the
         in-graph transport and an implementation other than ``ring``."""
@@ -174,7 +171,7 @@ class TensorFlowEngine(Engine, api.GraphCollectives):
                 and bool(tf.config.list_physical_devices("GPU")))
 
     # -- the step -----------------------------------------------------------------------------
-    def _check_not_xla(self) -> None:
+    def check_not_xla(self) -> None:
         from tensorflow.python.framework import ops
         from tensorflow.python.ops import control_flow_util
 
@@ -188,79 +185,43 @@ class TensorFlowEngine(Engine, api.GraphCollectives):
                 "jit_compile=False, or leave the default 'auto': mgpu then turns XLA off "
                 "where the collectives cannot be compiled.")
 
-    def _instance_key_for(self, flat, kind: str = "reduce", group=None):
-        """The same key on every rank and in every execution of this collective (see the module
-        docstring); a fresh one per execution when the buffer's shape is not static. `kind`
-        keeps collectives of other types (gathers, broadcasts) off a sum's keys; `group` (a
-        process set's ``tensorflow_collectives.Members``) tags the signature with its set and
-        counts fresh keys on a counter of its own (its members alone execute them)."""
-        import tensorflow as tf
-        from tensorflow.python.framework import ops
-
-        tag = group.tag if group is not None else ""
-        if not flat.shape.is_fully_defined():
-            return self._counter(group).assign_add(1)
-        kind = f"{tag}{kind}"
-        position = 0
-        if not tf.executing_eagerly():
-            seen = self._positions.setdefault(ops.get_default_graph(), {})
-            base = (kind, flat.dtype.name, tuple(flat.shape.as_list()))
-            position = seen[base] = seen.get(base, -1) + 1
-        signature = f"{flat.dtype.name}:{flat.shape.as_list()}:{position}"
-        signature = signature if kind == "reduce" else f"{kind}:{signature}"  # (global sums)
-        key = 1 + zlib.crc32(signature.encode()) % _FIXED_KEYS
-        known = self._signatures.setdefault(key, signature)
-        if known != signature:
-            raise RuntimeError(
-                f"mgpu: two different TensorFlow collectives ({known} and {signature}) map to "
-                f"instance key {key}. This is a hash collision, not a mistake of yours; report "
-                f"it, and meanwhile change one buffer's shape or dtype.")
-        return key
-
-    def _counter(self, group):
-        """The variable fresh instance keys are counted on: one per TensorFlow group."""
-        import tensorflow as tf
-        if group is None or group.process_set_id == 0:
-            return self._instance_key
-        if group.key not in self._set_counters:
-            with tf.init_scope():  # also when first asked for inside a traced function
-                self._set_counters[group.key] = tf.Variable(
-                    _FIXED_KEYS, dtype=tf.int32, trainable=False,
-                    name=f"mgpu_collective_instance_key_set{group.process_set_id}")
-        return self._set_counters[group.key]
-
     def _sum_flat(self, flat, group):
         import tensorflow as tf
 
         if self.skip_allreduce:  # what the sum would give if every rank held this buffer
             return flat * tf.cast(group.size, flat.dtype)
         if self.transport == "mpi":  # 16-bit wires are summed in float32 (MPI has no fp16)
-            return tensorflow_collectives.mpi_reduce(group.comm, flat, "sum")
+            return tensorflow_collectives.mpi_reduce(group.control_plane, flat, "sum")
         return self.collective_reduce(flat, members=group)
 
     def collective_reduce(self, tensor, *, kind: str = "reduce", merge_op: str = "Add",
                           members=None):
         """One in-graph ``CollectiveReduceV2`` of `tensor` over all ranks, or over `members`
         (a process set's ``tensorflow_collectives.Members``) (``merge_op``: Add, Min, Max or
-        Mul), keyed by its signature within `kind` (see ``_instance_key_for``) and ordered
+        Mul), keyed by its signature within `kind` (``keys.CollectiveKeys.for_collective``) and ordered
         behind the step's other collectives."""
         import tensorflow as tf
         group = members or tensorflow_collectives.members(self)
         return tf.raw_ops.CollectiveReduceV2(
             input=tensor, group_size=group.size, group_key=group.key,
-            instance_key=self._instance_key_for(tensor, kind, members),
-            ordering_token=[self._ordering_token.handle],
+            instance_key=self.keys.for_collective(tensor, kind, members),
+            ordering_token=[self.keys.ordering_token.handle],
             merge_op=merge_op, final_op="Id", communication_hint=self.implementation,
             timeout_seconds=self.timeout)
 
-    def supports_process_sets(self) -> bool:
+    def shutdown(self) -> None:
+        """Nothing to close: the engine keeps no communicator object of its own."""
+
+    def set_skip_allreduce(self, skip: bool) -> bool:
+        """Set :attr:`skip_allreduce` (the next traced step follows it)."""
+        self.skip_allreduce = bool(skip)
         return True
 
     def allreduce(self, tensors: Sequence[Any], *, average: bool, prescale: float = 1.0,
                   postscale: float = 1.0, compression=None, group=None) -> List[Any]:
         import tensorflow as tf
 
-        self._check_not_xla()
+        self.check_not_xla()
         members = tensorflow_collectives.members(self, group, "allreduce")
         tensors = [tf.convert_to_tensor(t) for t in tensors]
         prescale, scale = reduction.scales(average, members.size, prescale, postscale)
@@ -301,7 +262,7 @@ class TensorFlowEngine(Engine, api.GraphCollectives):
             return ""
         return "try MGPU_TF_TRANSPORT=mpi (CPU: 1.6x faster than gRPC at 50 MB here)"
 
-    # -- collectives on tensors other than the gradient sum (engines/tensorflow_collectives) --
+    # -- collectives on tensors other than the gradient sum (collectives.py) --
     def build_info(self) -> dict:
         import tensorflow as tf
         cuda = tf.test.is_built_with_cuda()

@@ -32,6 +32,7 @@ import sys
 import threading
 from typing import Callable, List, Optional
 
+from mgpu_launch.backends.reduction import StepOptions
 from mgpu_launch.config import settings
 
 #: auto (default: on with a CUDA device, off on CPU), 1 or 0; model.compile(jit_compile=) wins
@@ -71,8 +72,9 @@ def default_on() -> bool:
     return choice == "1"
 
 
-def static_reason(model) -> Optional[str]:
-    """Why `model`'s step is never compiled here (None: it may be); each names the fix."""
+def static_reason(model, options: StepOptions) -> Optional[str]:
+    """Why `model`'s step is never compiled here (None: it may be); each names the fix.
+    `options`: its DistributedOptimizer's step options (handed down)."""
     import keras
 
     optimizer = getattr(model, "optimizer", None)
@@ -80,11 +82,11 @@ def static_reason(model) -> Optional[str]:
     if any(isinstance(o, keras.optimizers.LossScaleOptimizer) for o in chain):
         return ("a LossScaleOptimizer decides on the host whether to skip a step; use "
                 "mixed_bfloat16 (no loss scaling) to compile the step")
-    if getattr(optimizer, "backward_passes_per_step", 1) > 1:
+    if options.backward_passes_per_step > 1:
         return ("backward_passes_per_step > 1 decides on the host whether to apply; use "
                 "backward_passes_per_step=1 to compile the step")
-    if getattr(optimizer, "process_set", None) is not None:
-        return ("a DistributedOptimizer with a process_set reduces outside the graph; "
+    if options.within_a_set:
+        return ("a DistributedOptimizer with a process_set is not compiled (untested); "
                 "reduce over every rank (process_set=None) to compile the step")
     if any(getattr(v, "dtype", "") == "float64" for v in model.trainable_variables):
         return "float64 weights (compiled kernels are float32/bfloat16/float16); use float32"
@@ -103,19 +105,21 @@ class CompiledTrainStep:
         model: the compiled Keras model (torch backend).
         eager_step: Keras's own train function (``data -> logs``), run for the first step,
             traced, and the fallback.
+        options: the model's DistributedOptimizer's step options (handed down).
         is_chief: whether this process prints the fallback line (rank 0).
         mode: ``torch.compile``'s mode (None: inductor's default).
 
     Example:
-        >>> model.train_function = CompiledTrainStep(model, model.train_function)
+        >>> model.train_function = CompiledTrainStep(model, model.train_function, StepOptions())
     """
 
-    def __init__(self, model, eager_step: Callable, is_chief: bool = True, mode=None):
+    def __init__(self, model, eager_step: Callable, options: StepOptions,
+                 is_chief: bool = True, mode=None):
         self.model, self.eager_step, self.is_chief, self.mode = model, eager_step, is_chief, mode
         self.steps: "collections.OrderedDict[tuple, _Step]" = collections.OrderedDict()
         #: eager steps, traces, compiled steps run (for benchmarks and tests)
         self.counts = collections.Counter()
-        self.fallback: Optional[str] = static_reason(model)
+        self.fallback: Optional[str] = static_reason(model, options)
         if self.fallback:
             self._say(self.fallback)
             return
@@ -319,7 +323,7 @@ def sum_across_ranks():
     return SumAcrossRanksInGraph
 
 
-def advice(model) -> str:
+def advice(model, options: StepOptions) -> str:
     """The efficiency report's word on a torch step that dominates (the engine's step_advice):
     compile it when it runs eagerly (any device), capture it on a GPU; nothing when it is
     compiled, or captured, already; the reason when the compiled step fell back."""
@@ -334,11 +338,11 @@ def advice(model) -> str:
         return (f"on torch its compiled step fell back to eager ({step.fallback}); fix that "
                 f"to compile it (docs/torch-compile.md)")
     found = ""
-    if model.jit_compile is False and static_reason(model) is None:
+    if model.jit_compile is False and static_reason(model, options) is None:
         found = ("on torch it runs eagerly, bound by the Python that launches its kernels: "
                  "model.compile(jit_compile=True) (or MGPU_TORCH_COMPILE=1; on by default on a "
                  "GPU) compiles the whole step, docs/torch-compile.md")
-    if not (torch_graph.requested(model.optimizer) or torch_graph.static_reason(model)):
+    if not (torch_graph.requested(options) or torch_graph.static_reason(model, options)):
         capture = ("DistributedOptimizer(cuda_graph=True) captures it in a CUDA graph "
                    "(ResNet-50 on an H200: 2.2-3.2x, docs/torch-cuda-graphs.md)")
         found = (f"{found}; or {capture}" if found else

@@ -32,7 +32,7 @@ import os
 import sys
 from typing import Any, List, Optional, Sequence
 
-from mgpu_launch.backends import Engine, reduction
+from mgpu_launch.backends import Engine, reduction, shared
 from mgpu_launch.backends.torch import compiled as compiled_step
 from mgpu_launch.runtime import process_sets
 from mgpu_launch.runtime.rendezvous import (host_and_port, interface_of, job_host_address,
@@ -67,7 +67,10 @@ def _store(dist, state, address: str, timeout: datetime.timedelta):
                          master_listen_fd=listener.detach())
 
 
-class TorchEngine(Engine):
+class TorchEngine(shared.KerasTrainStep, shared.HostBroadcast, shared.DenseReduction,
+                  shared.HasProcessSets, shared.GroupCheck, shared.GatherBySum,
+                  shared.DefaultReductionTiming, shared.CannotSkipAllreduce, shared.NoBuildInfo,
+                  Engine):
     name = "torch"
 
     def __init__(self):
@@ -116,16 +119,13 @@ class TorchEngine(Engine):
         """A process set registered (on every rank): its torch group, made by every rank."""
         import torch.distributed as dist
         made = dist.new_group(ranks=list(group.ranks))
-        self._groups[group.process_set_id] = made if group.comm is not None else None
+        self._groups[group.process_set_id] = made if group.transport is not None else None
 
     def _set_removed(self, group) -> None:
         import torch.distributed as dist
         made = self._groups.pop(group.process_set_id, None)
         if made is not None and dist.is_initialized():
             dist.destroy_process_group(made)
-
-    def supports_process_sets(self) -> bool:
-        return True
 
     def _torch_group(self, group, what: str):
         """The torch.distributed group of process set `group` (None: the default group)."""
@@ -151,26 +151,36 @@ class TorchEngine(Engine):
         early, the draws would leave Keras's order."""
         return False
 
+    def runs_sharded_tf_data_ahead(self) -> bool:
+        """No: no epoch runs ahead on torch (:meth:`runs_epochs_ahead`)."""
+        return False
+
     # -- the train step -----------------------------------------------------------------------------
-    def wrap_train_function(self, model, function):
+    def wrap_train_function(self, model, function, options: reduction.StepOptions):
         """With ``jit_compile`` (by default on a GPU, mgpu_launch.backends.torch.compiled): the
         step traced and compiled as one graph. With ``MGPU_TORCH_CUDA_GRAPH=1`` (or
         ``DistributedOptimizer(cuda_graph=True)``): the step -- compiled or eager -- captured
         in a CUDA graph and replayed (mgpu_launch.backends.torch.graph)."""
         from mgpu_launch import runtime
-        from mgpu_launch.backends.torch import compiled, graph as torch_graph
+        from mgpu_launch.backends.torch import graph as torch_graph
         chief = runtime.state.rank == 0
         if model.jit_compile:  # Keras wrapped its own torch.compile around the step: unwrap
             function = getattr(function, "__wrapped__", function)  # torch.compile's wraps
-            function = compiled.CompiledTrainStep(model, function, is_chief=chief)
-        if not torch_graph.requested(model.optimizer):
+            function = compiled_step.CompiledTrainStep(model, function, options,
+                                                       is_chief=chief)
+        if not torch_graph.requested(options):
             return function
-        return torch_graph.GraphedTrainStep(model, function, is_chief=chief)
+        return torch_graph.GraphedTrainStep(model, function, options, is_chief=chief)
 
-    def step_advice(self, model) -> str:
+    def keras_patches(self, hooks):
+        """The torch patch set (``backends/torch/patches.py``)."""
+        from mgpu_launch.backends.torch import patches
+        return patches.patch_set(hooks)
+
+    def step_advice(self, model, options: reduction.StepOptions) -> str:
         """A step that runs eagerly: compile it (on a GPU also: capture it); nothing when it
         is compiled or captured already; the reason when it fell back (``compiled.advice``)."""
-        return compiled_step.advice(model)
+        return compiled_step.advice(model, options)
 
     def shutdown(self) -> None:
         process_sets.remove_listener(self._set_added, self._set_removed)

@@ -34,6 +34,7 @@ import warnings
 import weakref
 from typing import Callable, Optional
 
+from mgpu_launch.backends.reduction import StepOptions
 from mgpu_launch.backends.torch import sync_check as torch_sync_check
 from mgpu_launch.config import settings
 
@@ -48,6 +49,8 @@ MAX_SIGNATURES = 16
 
 _stepping = threading.local()  # set while this thread warms up or captures a step
 _live: "weakref.WeakSet[GraphedTrainStep]" = weakref.WeakSet()  # for release()
+# the Keras optimizers of captured steps: their SGD update takes the rate as a device tensor
+_device_rate: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def scalars_on_device() -> bool:
@@ -119,11 +122,11 @@ class CudaGraphFallbackWarning(UserWarning):
     """The torch train step could not be captured and runs eagerly; the message says why."""
 
 
-def requested(optimizer=None) -> bool:
-    """Whether capture is asked for: ``DistributedOptimizer(cuda_graph=True)`` or the env."""
-    choice = getattr(optimizer, "cuda_graph", None)
-    if choice is not None:
-        return bool(choice)
+def requested(options: Optional[StepOptions] = None) -> bool:
+    """Whether capture is asked for: ``DistributedOptimizer(cuda_graph=True)`` (its step
+    options, handed down) or the env."""
+    if options is not None and options.cuda_graph is not None:
+        return bool(options.cuda_graph)
     return settings.flag(ENV)
 
 
@@ -139,8 +142,9 @@ def _warn(reason: str, is_chief: bool) -> None:
                       CudaGraphFallbackWarning, stacklevel=3)
 
 
-def static_reason(model) -> Optional[str]:
-    """Why `model`'s step can never be captured (None: it may be)."""
+def static_reason(model, options: StepOptions) -> Optional[str]:
+    """Why `model`'s step can never be captured (None: it may be); `options`: its
+    DistributedOptimizer's step options."""
     import keras
     import torch
 
@@ -150,7 +154,7 @@ def static_reason(model) -> Optional[str]:
         return ("a LossScaleOptimizer skips non-finite steps with a Python branch on the "
                 "gradients (a host read every step); use mixed_bfloat16, which needs no loss "
                 "scaling, to capture the step")
-    if getattr(optimizer, "backward_passes_per_step", 1) > 1:
+    if options.backward_passes_per_step > 1:
         return ("backward_passes_per_step > 1 decides on the host whether to apply; use "
                 "backward_passes_per_step=1 to capture the step")
     if not torch.cuda.is_available():
@@ -199,13 +203,15 @@ class GraphedTrainStep:
         model: the compiled Keras model (torch backend).
         eager_step: Keras's own train function (``data -> logs``), used for warm-up steps,
             for capture and as the fallback.
+        options: the model's DistributedOptimizer's step options (handed down).
         is_chief: whether this process prints the fallback warning (rank 0).
 
     Example:
-        >>> model.train_function = GraphedTrainStep(model, model.train_function)
+        >>> model.train_function = GraphedTrainStep(model, model.train_function, StepOptions())
     """
 
-    def __init__(self, model, eager_step: Callable, is_chief: bool = True):
+    def __init__(self, model, eager_step: Callable, options: StepOptions,
+                 is_chief: bool = True):
         import torch
 
         self.model, self.eager_step, self.is_chief = model, eager_step, is_chief
@@ -216,7 +222,7 @@ class GraphedTrainStep:
         self.counts = collections.Counter()
         #: where the checked warm-up step synchronised with the host (when it did)
         self.sync_sites: list = []
-        self.fallback: Optional[str] = static_reason(model)
+        self.fallback: Optional[str] = static_reason(model, options)
         #: eager steps this model took before capture was asked for (they can break capture)
         self.steps_before = _steps_taken(model) if self.fallback is None else 0
         _live.add(self)
@@ -363,4 +369,10 @@ def _allow_device_learning_rate(optimizer) -> None:
     """
     for owner in (optimizer, getattr(optimizer, "inner_optimizer", None)):
         if owner is not None:
-            owner._mgpu_device_learning_rate = True
+            _device_rate.add(owner)
+
+
+def uses_device_learning_rate(optimizer) -> bool:
+    """Whether `optimizer`'s torch SGD update takes the rate as a device tensor (its step was
+    wrapped for capture: the replacement in ``backends/torch/patches.py`` asks)."""
+    return optimizer in _device_rate

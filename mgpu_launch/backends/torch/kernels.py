@@ -20,10 +20,12 @@ Here the same layers run on torch's own kernels:
 
 Both give Keras's results up to float rounding (different summation order; tested against
 Keras's own lowering in tests/backends/test_torch_kernels.py) and fall back to Keras's code for
-everything they do not cover: masks, renorm, ``synchronized=True`` on several processes (mgpu's
+everything they do not cover: masks, renorm, a training batch with one value per channel (or
+none), which torch's kernel refuses, ``synchronized=True`` on several processes (mgpu's
 cross-rank moments; on one process it is plain BatchNormalization, and takes this path too),
-subclasses that override ``_moments``, float64, non-dense layouts. Installed by
-``mgpu_launch.training.patches`` on the torch backend unless ``MGPU_TORCH_KERNELS=0``.
+subclasses that override ``_moments``, float64, non-dense layouts. Declared in the torch patch
+set (``mgpu_launch.backends.torch.patches``), installed with it by
+``mgpu_launch.training.patches`` unless ``MGPU_TORCH_KERNELS=0``.
 """
 
 from typing import Callable
@@ -54,6 +56,12 @@ def _plain_batch_norm(layer, inputs, mask, keras_moments) -> bool:
     return all(v.dtype == "float32" for v in params)
 
 
+def _values_per_channel(layer, inputs) -> int:
+    """How many values of each channel the batch statistics are taken over."""
+    channels = inputs.shape[layer.axis % inputs.ndim]
+    return inputs.numel() // channels if channels else 0
+
+
 def batch_norm(original: Callable, keras_moments: Callable) -> Callable:
     """``BatchNormalization.call`` on ``torch.nn.functional.batch_norm`` where it is the same.
 
@@ -67,7 +75,11 @@ def batch_norm(original: Callable, keras_moments: Callable) -> Callable:
     """
 
     def call(self, inputs, training=None, mask=None):
-        if not _plain_batch_norm(self, inputs, mask, keras_moments):
+        if not _plain_batch_norm(self, inputs, mask, keras_moments) or (
+                training and self.trainable and _values_per_channel(self, inputs) < 2):
+            # torch's training kernel refuses one value per channel ("Expected more than 1
+            # value per channel when training": a last batch of 1 after a Dense layer), and an
+            # empty batch; Keras's arithmetic takes both (variance 0, or its NaN statistics)
             return original(self, inputs, training=training, mask=mask)
         import torch
         import torch.nn.functional as functional

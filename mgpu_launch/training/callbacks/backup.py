@@ -208,7 +208,8 @@ class BackupAndRestore(keras.callbacks.Callback):
     def _restore_everywhere(self, extras=None):
         """Collective: rank 0's :meth:`_restore_on_chief`, its model state and outcome on
         every rank; a refusal raises the same error on every rank (none waits for rank 0)."""
-        restored = agreement.decided_by_root(lambda: self._restore_on_chief(extras), {
+        restored = agreement.decided_by_root(
+            runtime.state.transport, lambda: self._restore_on_chief(extras), {
             folders.UnsafeFolder: _refused_folder,
             epoch_resume.BadBackup: lambda why: epoch_resume.BadBackup(
                 f"BackupAndRestore: refused the backup {why}. Nothing of it was used. "
@@ -237,7 +238,7 @@ class BackupAndRestore(keras.callbacks.Callback):
             except OSError as error:
                 raise OSError(f"{type(error).__name__}: {error.strerror or error}") from error
 
-        agreement.decided_by_root(try_writing, {
+        agreement.decided_by_root(runtime.state.transport, try_writing, {
             folders.UnsafeFolder: _refused_folder,
             OSError: lambda why: OSError(
                 f"BackupAndRestore: rank 0 cannot keep backups in {self.backup_dir!r}: {why}. "

@@ -1,18 +1,26 @@
-"""Every change mgpu_launch makes to Keras's internals, in one place, each checked on install.
+"""Every change mgpu_launch makes to Keras's internals, installed once, each checked on install.
 
 mgpu_launch is plain Keras code except where Keras offers no hook: there it replaces a method
-of a Keras class. All such replacements live here, and each is a :class:`Patch` that names
-the class, the attribute and the leading parameters our replacement relies on. Installing
-one first checks that the attribute still exists with those parameters; a Keras release
-that renamed or reshaped it gives a :class:`KerasInternalsError` naming the Keras version and
-the attribute, instead of a JAX step that silently stops reducing gradients.
-The replacements are built by factories in two modules beside this one, which only this
-module imports: ``fit`` (``fit``, the epoch iterators, the train functions, resuming) and
-``objects`` (BatchNormalization, the optimizer's compile config and variables, ``compile``);
-the registry, the checks and the installing stay here.
+of a Keras class. Each replacement is a ``keras_patching.Replacement``: a :class:`Patch` that
+names the class, the attribute and the leading parameters our replacement relies on, and the
+factory that builds it. Installing one first checks that the attribute still exists with
+those parameters; a Keras release that renamed or reshaped it gives a
+:class:`KerasInternalsError` naming the Keras version and the attribute, instead of a JAX step
+that silently stops reducing gradients. The replacements every backend shares are declared
+here and built by factories in two modules beside this one: ``fit`` (``fit``, the epoch
+iterators' feed, resuming) and ``objects`` (BatchNormalization, the optimizer's compile config
+and variables, ``compile``); each backend's own are its engine's patch set
+(``Engine.keras_patches``, declared in ``backends/<name>/patches.py``).
+
+:func:`install` is the one function that installs them, once: ``mgpu.init()`` (the
+composition root, ``training/bootstrap.py``) calls it, and so does the first
+``DistributedOptimizer``, ``SyncBatchNormalization`` or ``mgpu.data.shard`` of a script that
+never called ``mgpu.init()`` (it then finds the context installed, or installs it). The
+patches recognise a DistributedOptimizer's model by its options
+(``training.optimizer_options.distributed_optimizer``), not by a class set at install.
 
 The patches (each changes behaviour only for models compiled with a DistributedOptimizer,
-and only on the backend named):
+and only on the backend named; a backend's rows are declared in ``backends/<name>/patches.py``):
 
 =========================================  ========  ===========================================
 Keras attribute                            backend   why
@@ -40,10 +48,17 @@ Keras attribute                            backend   why
 ``Trainer.get_compile_config``             all       save the inner optimizer (and the wrapper's
                                                      settings in a key Keras ignores), so a
                                                      saved model loads without mgpu_launch
-``TorchTrainer.make_train_function``       torch     let the engine wrap the step (CUDA-graph
+``TorchTrainer.make_train_function``       torch     let the engine wrap the step (compiled,
+                                                     ``backends.torch.compiled``; CUDA-graph
                                                      capture, ``MGPU_TORCH_CUDA_GRAPH=1``)
-``torch_sgd.SGD._parallel_update_step``    torch     with capture on: the learning rate as a
-                                                     device tensor (Keras reads it on the host)
+``Trainer._resolve_auto_jit_compile``      torch     ``jit_compile="auto"``: the compiled step
+                                                     where ``MGPU_TORCH_COMPILE`` says (by
+                                                     default on a GPU)
+``TorchTrainer._should_torch_compile``     torch     never Keras's own ``torch.compile`` of the
+                                                     step functions (evaluate, predict: eager)
+``torch_sgd.SGD._parallel_update_step``    torch     with the step compiled or captured: the
+                                                     learning rate as a device tensor (Keras
+                                                     reads it on the host)
 ``BatchNormalization.call``                torch     on ``torch.nn.functional.batch_norm`` (one
                                                      fused kernel, not Keras's float32
                                                      arithmetic); any model, unless
@@ -58,12 +73,6 @@ Keras attribute                            backend   why
 ``Trainer._resolve_auto_jit_compile``      tf        ``jit_compile="auto"``: no XLA where the
                                                      engine's collectives cannot be compiled
                                                      (CPU, ``MGPU_TF_COLLECTIVE=ring``)
-``Trainer._resolve_auto_jit_compile``      torch     ``jit_compile="auto"``: the compiled step
-                                                     (``backends.torch.compiled``) by default
-                                                     on a GPU (``MGPU_TORCH_COMPILE``)
-``TorchTrainer._should_torch_compile``     torch     never Keras's own ``torch.compile`` of
-                                                     the step functions: the train step is
-                                                     ours, evaluate and predict stay eager
 ``Trainer.compile``                        all       ``mgpu_launch.keras`` (Horovod names) only:
                                                      drop Keras 2's experimental_run_tf_function
 ``BaseOptimizer.variables`` (a property)   all       Horovod namespaces only: also callable, as
@@ -82,197 +91,129 @@ Keras attribute                            backend   why
 =========================================  ========  ===========================================
 
 The two BatchNormalization patches act on layers built with ``synchronized=True``, whatever the
-optimizer; :func:`install_synchronized_batch_norm` applies them (at ``mgpu.init()`` of a
-multi-process job, by ``mgpu_launch.layers``, and by every ``DistributedOptimizer``).
-
-Entry points: :func:`install` (called by every ``DistributedOptimizer``) and
-:func:`install_horovod_compile` (called by ``mgpu_launch.keras.init``). Both are idempotent.
+optimizer. ``compile`` and ``BaseOptimizer.variables`` are installed only when a Horovod
+namespace's ``init()`` asks for them (its ``keras_2`` names).
 """
 
 import dataclasses
 import importlib
 import inspect
-import sys
-from typing import Callable, Optional, Tuple
+from typing import Dict, Optional, Sequence, Tuple
 
-from mgpu_launch.backends.torch import compiled as torch_compiled, kernels as torch_kernels
+from mgpu_launch import backends
+from mgpu_launch.keras_patching import (BATCH_NORM, TRAINER, Hooks, Patch, PatchSet,  # noqa: F401
+                                        Replacement, apply as apply_replacement, is_ours)
+from mgpu_launch.training import optimizer_options
 from mgpu_launch.training.patches import fit as _training, objects as _layers
-from mgpu_launch.config import settings
 from mgpu_launch.training.patches.fit import uses_distributed_optimizer  # noqa: F401 (public here)
 # the error of every Keras internal, the patched ones and those read elsewhere (public here)
-from mgpu_launch.keras_internals import KerasInternalsError, SUPPORTED
+from mgpu_launch.keras_internals import KerasInternalsError, SUPPORTED  # noqa: F401
+
+
+def _batch_norm_init(original):
+    # the replacement takes `synchronized` out of Keras's arguments: Keras must have it
+    if "synchronized" not in inspect.signature(original).parameters:
+        raise KerasInternalsError(Patch(BATCH_NORM, "__init__", ()).message(
+            importlib.import_module("keras"), "BatchNormalization.__init__",
+            "it has no `synchronized` parameter"))
+    return _layers.batch_norm_init(original)
+
+
+#: the replacements every backend shares, by name (a backend's own: its engine's patch set)
+SHARED: Dict[str, Replacement] = {r.name: r for r in (
+    Replacement("fit", Patch("keras.src.models.model:Model", "fit",
+                             ("self", "x", "y", "batch_size", "epochs", "verbose", "callbacks")),
+                _training.fit, "the agreement check, the stall probes, shard()'s order"),
+    Replacement("compile_config", Patch(TRAINER, "get_compile_config", ("self",)),
+                _layers.compile_config, "save the inner optimizer"),
+    Replacement("batch_norm_init", Patch(BATCH_NORM, "__init__", ("self", "axis", "momentum")),
+                _batch_norm_init, "synchronized=True accepted on JAX and torch"),
+    Replacement("batch_norm_moments", Patch(BATCH_NORM, "_moments", ("self", "inputs", "mask")),
+                _layers.batch_norm_moments, "synchronized=True: every rank's statistics"),
+    Replacement("resume_iterator", Patch("keras.src.trainers.epoch_iterator:EpochIterator",
+                                         "_enumerate_iterator", ("self",)),
+                _training.resume_iterator, "start at the backed-up epoch and batch"),
+    Replacement("compile", Patch(TRAINER, "compile", ("self", "optimizer")),
+                _layers.horovod_compile, "Horovod names: drop experimental_run_tf_function"),
+    Replacement("optimizer_variables", Patch("keras.src.optimizers.base_optimizer:BaseOptimizer",
+                                             "variables", ("self",)),
+                _layers.optimizer_variables, "Horovod names: opt.variables() callable"),
+)}
+#: name -> Patch of :data:`SHARED` (what each replaces)
+PATCHES: Dict[str, Patch] = {name: r.patch for name, r in SHARED.items()}
+#: what a Horovod namespace's init() may add (Keras 2's compile argument, opt.variables())
+KERAS_2 = ("compile", "optimizer_variables")
 
 
 @dataclasses.dataclass(frozen=True)
-class Patch:
-    """One replaced Keras attribute.
+class PatchContext:
+    """What :func:`install` installed: the backend's patch set (None: only the Horovod names'
+    Keras 2 patches, where no model patch was wanted) and those Keras 2 names."""
+
+    patch_set: Optional[PatchSet]
+    keras_2: Tuple[str, ...] = ()
+
+
+_context: Optional[PatchContext] = None
+
+
+def hooks() -> Hooks:
+    """What the backends' patch sets get from this layer (values down, no upward import)."""
+    return Hooks(uses_distributed_optimizer=uses_distributed_optimizer,
+                 step_options=optimizer_options.step_options,
+                 epoch_iterator=_training.epoch_iterator)
+
+
+def install(keras_2: Sequence[str] = (), *, models: bool = True) -> PatchContext:
+    """Install mgpu's Keras patches: the one function that does (idempotent).
+
+    The shared patches and the backend's patch set (its engine's, or none for a backend
+    without one), then the synchronized BatchNormalization patches, then the backend's
+    kernels; once. A later call only adds what it asks for that is not installed yet.
 
     Args:
-        owner: ``"module:Class"`` where the attribute is looked up (and set); alternatives
-            joined by ``|`` where a Keras release moved or renamed the class (the first that
-            imports is used).
-        attribute: the method's name.
-        parameters: the leading parameter names the replacement relies on, in order.
-        optional: the attribute exists only in some Keras versions; absent means nothing to
-            patch (present, it must still match `parameters`).
-        everywhere: `owner` is a module whose function other Keras modules imported by name;
-            rebind it in every loaded ``keras`` module that holds the original too.
-    """
+        keras_2: names of :data:`KERAS_2` to install too (a Horovod namespace's init()).
+        models: False installs only `keras_2` (``mgpu.init()`` where no model patch is wanted:
+            ``MGPU_ENGINE=none``, or one process of a script that has not loaded Keras).
 
-    owner: str
-    attribute: str
-    parameters: Tuple[str, ...]
-    optional: bool = False
-    everywhere: bool = False
-
-    def owner_class(self) -> type:
-        for candidate in self.owner.split("|"):
-            module_name, class_name = candidate.split(":")
-            try:
-                return getattr(importlib.import_module(module_name), class_name)
-            except (ImportError, AttributeError) as error:
-                missing = error
-        raise missing
-
-    def check(self) -> Optional[Callable]:
-        """The attribute as Keras has it now, after checking its shape (None: optional, absent).
-
-        Raises:
-            KerasInternalsError: the attribute is missing or its parameters differ.
-        """
-        import keras
-
-        where = f"{self.owner.replace(':', '.')}.{self.attribute}"
-        try:
-            original = getattr(self.owner_class(), self.attribute, None)
-        except (ImportError, AttributeError) as error:
-            raise KerasInternalsError(self._message(keras, where, f"{self.owner} cannot be "
-                                                    f"imported ({error})")) from error
-        if original is None:
-            if self.optional:
-                return None
-            raise KerasInternalsError(self._message(keras, where, "it does not exist"))
-        target = getattr(original, "__wrapped__", original) if _ours(original) else original
-        target = target.fget if isinstance(target, property) else target
-        found = tuple(inspect.signature(target).parameters)
-        if found[:len(self.parameters)] != self.parameters:
-            raise KerasInternalsError(self._message(
-                keras, where, f"its parameters are {found}, expected them to begin with "
-                              f"{self.parameters}"))
-        return original
-
-    def _message(self, keras, where: str, problem: str) -> str:
-        return (f"mgpu_launch patches {where}, but in Keras {keras.__version__} {problem}. "
-                f"{SUPPORTED}")
-
-
-_BATCH_NORM = "keras.src.layers.normalization.batch_normalization:BatchNormalization"
-# Keras 3.15-3.16 names, then keras-team's HEAD's (3.16.0.dev, 2026-10: Trainer -> BaseTrainer,
-# the backends' JAXTrainer / TorchTrainer -> Trainer, torch's core -> ops.core)
-_TRAINER = "keras.src.trainers.trainer:Trainer|keras.src.trainers.trainer:BaseTrainer"
-_JAX_TRAINER = "keras.src.backend.jax.trainer:JAXTrainer|keras.src.backend.jax.trainer:Trainer"
-_TORCH_TRAINER = ("keras.src.backend.torch.trainer:TorchTrainer"
-                  "|keras.src.backend.torch.trainer:Trainer")
-_TORCH_CORE = "keras.src.backend.torch:core|keras.src.backend.torch.ops:core"
-#: name -> Patch; its factory (:data:`_FACTORIES`) builds the replacement from the original.
-PATCHES = {
-    "fit": Patch("keras.src.models.model:Model", "fit",
-                 ("self", "x", "y", "batch_size", "epochs", "verbose", "callbacks")),
-    "jax_iterator": Patch("keras.src.backend.jax.trainer:JAXEpochIterator", "_get_iterator",
-                          ("self",)),
-    "torch_iterator": Patch("keras.src.backend.torch.trainer:TorchEpochIterator",
-                            "_get_iterator", ("self",)),
-    "tf_iterator": Patch("keras.src.backend.tensorflow.trainer:TFEpochIterator",
-                         "_get_iterator", ("self",)),
-    "jax_train_function": Patch(_JAX_TRAINER, "make_train_function", ("self", "force")),
-    "jax_state_sync": Patch(_JAX_TRAINER, "jax_state_sync", ("self",)),
-    "torch_ddp": Patch(_TORCH_TRAINER, "_initialize_ddp", ("self",), optional=True),
-    "torch_metrics": Patch(_TORCH_TRAINER, "get_metrics_result", ("self",)),
-    "torch_train_function": Patch(_TORCH_TRAINER, "make_train_function", ("self", "force")),
-    "torch_sgd_update": Patch("keras.src.backend.torch.optimizers.torch_sgd:SGD",
-                              "_parallel_update_step",
-                              ("self", "grads", "variables", "learning_rate")),
-    "torch_scalars": Patch(_TORCH_CORE, "convert_to_tensor", ("x", "dtype"), everywhere=True),
-    "compile": Patch(_TRAINER, "compile", ("self", "optimizer")),
-    "optimizer_variables": Patch("keras.src.optimizers.base_optimizer:BaseOptimizer",
-                                 "variables", ("self",)),
-    "resume_iterator": Patch("keras.src.trainers.epoch_iterator:EpochIterator",
-                             "_enumerate_iterator", ("self",)),
-    "compile_config": Patch(_TRAINER, "get_compile_config", ("self",)),
-    "tf_auto_jit": Patch(_TRAINER, "_resolve_auto_jit_compile", ("self",)),
-    "torch_auto_jit": Patch(_TRAINER, "_resolve_auto_jit_compile", ("self",)),
-    "torch_keras_compile": Patch(_TORCH_TRAINER, "_should_torch_compile", ("self",),
-                                 optional=True),
-    "batch_norm_init": Patch(_BATCH_NORM, "__init__", ("self", "axis", "momentum")),
-    "batch_norm_moments": Patch(_BATCH_NORM, "_moments", ("self", "inputs", "mask")),
-    "torch_batch_norm": Patch(_BATCH_NORM, "call", ("self", "inputs", "training", "mask")),
-    "torch_conv": Patch("keras.src.backend.torch:nn", "conv",
-                        ("inputs", "kernel", "strides", "padding", "data_format",
-                         "dilation_rate"), everywhere=True),
-}
-
-#: backend -> the patches :func:`install` applies there, in order.
-BY_BACKEND = {
-    "tensorflow": ("fit", "compile_config", "tf_auto_jit", "tf_iterator"),
-    "jax": ("fit", "compile_config", "jax_iterator", "jax_train_function", "jax_state_sync"),
-    "torch": ("fit", "compile_config", "torch_iterator", "torch_ddp", "torch_metrics",
-              "torch_train_function", "torch_auto_jit", "torch_keras_compile"),
-}
-#: applied once a torch train step is wrapped for CUDA-graph capture: otherwise every step of
-#: every torch job would pay their extra Python frames (convert_to_tensor runs many times a step)
-FOR_CUDA_GRAPHS = ("torch_sgd_update", "torch_scalars")
-#: torch's own kernels for Keras's torch lowering (backends/torch/kernels.py); unless
-#: MGPU_TORCH_KERNELS=0, installed with :data:`BY_BACKEND`'s (after the synchronized
-#: BatchNormalization patches, whose ``_moments`` the replacement call checks for)
-TORCH_KERNELS = ("torch_batch_norm", "torch_conv")
-#: engine name -> the patches mgpu.init() installs for every model on a multi-process job: on
-#: torch, Keras >= 3.16 must run no collective of its own on mgpu's process group (no DDP
-#: wrapper, no metric sums), whatever the model's optimizer
-AT_INIT = {"torch": ("torch_ddp", "torch_metrics")}
-
-
-def _ours(function) -> bool:
-    return getattr(function, "_mgpu", False)
-
-
-def apply(name: str) -> None:
-    """Install the patch `name` (idempotent), after checking the attribute it replaces."""
-    patch = PATCHES[name]
-    original = patch.check()
-    if original is None or _ours(original):
-        return
-    replacement = _FACTORIES[name](original)
-    replacement._mgpu = True
-    replacement.__wrapped__ = original
-    setattr(patch.owner_class(), patch.attribute, replacement)
-    if patch.everywhere:
-        for module_name, module in list(sys.modules.items()):
-            if (module_name.split(".")[0] == "keras" and module is not None
-                    and getattr(module, patch.attribute, None) is original):
-                setattr(module, patch.attribute, replacement)
-
-
-def install(distributed_class: type, backend: Optional[str] = None) -> None:
-    """Install every patch for `backend` (default: Keras's). Called by DistributedOptimizer.
-
-    Args:
-        distributed_class: the optimizer class whose models the patches act on (passed in,
-            so this module need not import ``mgpu_launch.training.optimizer``, which imports it).
-        backend: a Keras backend name.
+    Returns:
+        The installed context.
 
     Raises:
         KerasInternalsError: a patched Keras attribute is missing or reshaped.
+        ValueError: a name of `keras_2` is not one of :data:`KERAS_2`.
     """
-    _training.set_distributed_class(distributed_class)
-    if backend is None:
-        import keras
-        backend = keras.backend.backend()
-    for name in BY_BACKEND.get(backend, ("fit", "compile_config")):
-        apply(name)
-    install_synchronized_batch_norm()
-    if backend == "torch" and settings.flag("MGPU_TORCH_KERNELS"):
-        for name in TORCH_KERNELS:
-            apply(name)
+    global _context
+    unknown = sorted(set(keras_2) - set(KERAS_2))
+    if unknown:
+        raise ValueError(f"keras_2={list(keras_2)!r}: {unknown} are not Keras 2 patches; "
+                         f"expected names among {list(KERAS_2)}")
+    context = _context or PatchContext(patch_set=None)
+    if models and context.patch_set is None:
+        patch_set = backends.get_engine_or_default().keras_patches(hooks())
+        for replacement in (SHARED["fit"], SHARED["compile_config"]) + patch_set.every_model:
+            apply_replacement(replacement)
+        install_synchronized_batch_norm()
+        for replacement in patch_set.kernels:
+            apply_replacement(replacement)
+        context = dataclasses.replace(context, patch_set=patch_set)
+    added = tuple(name for name in dict.fromkeys(keras_2) if name not in context.keras_2)
+    for name in added:
+        apply_replacement(SHARED[name])
+    if added:
+        context = dataclasses.replace(context, keras_2=context.keras_2 + added)
+    _context = context
+    return context
+
+
+def installed() -> Optional[PatchContext]:
+    """The installed context (None: :func:`install` has not run)."""
+    return _context
+
+
+def apply(name: str) -> None:
+    """Install the shared patch `name` alone (idempotent; tests, and :func:`resume_at`)."""
+    apply_replacement(SHARED[name])
 
 
 def resume_at(epochs_done: int, batches_done: int) -> None:
@@ -294,65 +235,8 @@ def resume_at(epochs_done: int, batches_done: int) -> None:
         apply("resume_iterator")
 
 
-def install_at_init(engine_name: str) -> None:
-    """At mgpu.init() on a multi-process job: the patches `engine_name`'s engine needs for
-    every model (:data:`AT_INIT`)."""
-    for name in AT_INIT.get(engine_name, ()):
-        apply(name)
-
-
 def install_synchronized_batch_norm() -> None:
-    """Make ``BatchNormalization(synchronized=True)`` synchronize under mgpu, on every backend."""
+    """Make ``BatchNormalization(synchronized=True)`` synchronize under mgpu, on every backend
+    (part of :func:`install`)."""
     for name in ("batch_norm_init", "batch_norm_moments"):
         apply(name)
-
-
-def install_horovod_compile() -> None:
-    """Let ``compile`` accept Keras 2's ``experimental_run_tf_function`` (mgpu_launch.keras)."""
-    apply("compile")
-
-
-def install_callable_optimizer_variables() -> None:
-    """Let ``opt.variables()`` (Keras 2's method) work beside ``opt.variables`` (Keras 3's
-    property): the Horovod namespaces' ``init()``, for Horovod's TF2 scripts."""
-    apply("optimizer_variables")
-
-
-# -- the replacements (built in patches/fit.py and patches/objects.py) --------------------------
-def _install_for_cuda_graphs() -> None:
-    for name in FOR_CUDA_GRAPHS:
-        apply(name)
-
-
-def _batch_norm_init(original):
-    # the replacement takes `synchronized` out of Keras's arguments: Keras must have it
-    if "synchronized" not in inspect.signature(original).parameters:
-        raise KerasInternalsError(Patch(_BATCH_NORM, "__init__", ())._message(
-            importlib.import_module("keras"), "BatchNormalization.__init__",
-            "it has no `synchronized` parameter"))
-    return _layers.batch_norm_init(original)
-
-
-#: name -> the factory that builds the replacement of PATCHES[name] from Keras's original
-_FACTORIES = {
-    "fit": _training.fit, "jax_iterator": _training.epoch_iterator,
-    "torch_iterator": _training.epoch_iterator, "tf_iterator": _training.epoch_iterator,
-    "jax_train_function": _training.jax_train_function,
-    "jax_state_sync": _training.jax_state_sync, "torch_ddp": _training.torch_ddp,
-    # Keras's own (BaseTrainer's) get_metrics_result: the result without the cross-rank sum
-    "torch_metrics": lambda original: _training.torch_metrics(
-        original, Patch(_TRAINER, "get_metrics_result", ("self",)).check()),
-    "torch_train_function": lambda original: _training.torch_train_function(
-        original, on_capture=_install_for_cuda_graphs),
-    "torch_sgd_update": _training.torch_sgd_update, "torch_scalars": _training.torch_scalars,
-    "resume_iterator": _training.resume_iterator, "tf_auto_jit": _training.tf_auto_jit,
-    "torch_auto_jit": lambda original: _training.torch_auto_jit(original,
-                                                                torch_compiled.default_on),
-    "torch_keras_compile": _training.torch_keras_compile,
-    "compile": _layers.horovod_compile, "compile_config": _layers.compile_config,
-    "batch_norm_init": _batch_norm_init, "batch_norm_moments": _layers.batch_norm_moments,
-    "optimizer_variables": _layers.optimizer_variables,
-    "torch_batch_norm": lambda original: torch_kernels.batch_norm(
-        original, PATCHES["batch_norm_moments"].owner_class()._moments),
-    "torch_conv": torch_kernels.conv,
-}

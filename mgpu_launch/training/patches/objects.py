@@ -12,8 +12,8 @@ import functools
 import inspect
 import warnings
 
-from mgpu_launch import runtime
-from mgpu_launch.training.patches import fit
+from mgpu_launch import backends, runtime
+from mgpu_launch.training import optimizer_options
 
 
 def compile_config(original):
@@ -23,8 +23,8 @@ def compile_config(original):
     def get_compile_config(self):
         config = original(self)
         optimizer = getattr(self, "optimizer", None)
-        if (isinstance(config, dict) and "optimizer" in config
-                and fit.is_distributed(optimizer)):
+        if (isinstance(config, dict) and "optimizer" in config and optimizer is not None
+                and optimizer_options.distributed_optimizer(self) is optimizer):
             config = dict(config, optimizer=optimizer.inner_config())
         return config
     return get_compile_config
@@ -71,7 +71,8 @@ def batch_norm_moments(original):
         if moments is not None:
             return moments
         import keras
-        if keras.backend.backend() == "tensorflow":
+        known = backends.BACKENDS.get(keras.backend.backend())
+        if known is not None and known.keras_synchronizes_batch_norm:
             return original(self, inputs, mask)  # Keras's: a tf.distribute strategy's, or local
         self.synchronized = False  # Keras's local statistics (its own raise off TensorFlow)
         try:
