@@ -62,6 +62,15 @@ TOLERANCE = {"mixed_float16": {"per_tensor": 2.0 ** -11},
 #: cases also compared with Keras's own accumulation of the ranks' batches (ranks_as_passes)
 RANKS_AS_PASSES = {"mixed_float16", "mixed_bfloat16"}
 FLOAT32 = {"rtol": 1e-5, "atol": 1e-6}
+#: torch with its step compiled (MGPU_TORCH_COMPILE=1 forces it on CPU; docs/torch-compile.md):
+#: the reference runs eagerly, and the float32 cases still agree at FLOAT32 (the compiler only
+#: reorders float32 sums). In mixed_bfloat16, inductor computes a fused kernel's bfloat16 ops in
+#: float32 and rounds once at its end where eager Keras rounds after every op, so the ranks'
+#: weights differ from the eager accumulation by bfloat16 roundings, not float32 ones: measured
+#: 3.1e-4 of each tensor's largest weight (2026-11-29, CPU), bounded like the batch-of-N*b
+#: reference by one bfloat16 unit roundoff.
+COMPILED = BACKEND == "torch" and os.environ.get("MGPU_TORCH_COMPILE") == "1"
+ACCUMULATED = {"mixed_bfloat16": TOLERANCE["mixed_bfloat16"]} if COMPILED else {}
 
 
 def names(cases):
@@ -113,6 +122,10 @@ def check_case(directory, case, np_):
     if case in RANKS_AS_PASSES:  # the same float16 arithmetic as the ranks': float32 tolerance
         accumulated = load(directory / f"{case}.accumulated.npz")[0]
         for index, (ours, theirs) in enumerate(zip(weights, accumulated, strict=True)):
+            if case in ACCUMULATED:  # compiled: fused roundings (COMPILED says why)
+                worst = np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs))
+                assert worst <= ACCUMULATED[case]["per_tensor"], (case, index, worst)
+                continue
             np.testing.assert_allclose(ours, theirs, err_msg=f"{case} weight #{index}",
                                        **FLOAT32)
 

@@ -51,10 +51,13 @@ class StepOptions:
             ``MGPU_TORCH_CUDA_GRAPH``.
         backward_passes_per_step: gradients of this many batches make one update (a step
             that decides on the host whether to apply cannot be captured).
+        within_a_set: the gradients are reduced within a process set (torch's compiled step
+            is not: it stays eager).
     """
 
     cuda_graph: Optional[bool] = None
     backward_passes_per_step: int = 1
+    within_a_set: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,12 +6,13 @@ eager against compiled):
 ===================  ===========================================================================
 ``tensorflow``       Keras on TensorFlow under mgpu (Keras's default ``jit_compile``: XLA on GPUs)
 ``jax``              Keras on JAX under mgpu
-``torch``            Keras on torch under mgpu, its default (eager) step
+``torch``            Keras on torch under mgpu, its default step (compiled on a GPU, eager on
+                     CPU: ``MGPU_TORCH_COMPILE``, docs/torch-compile.md)
 ``torch+cudagraph``  the same step captured in a CUDA graph (``MGPU_TORCH_CUDA_GRAPH=1``; a row
                      whose capture failed and ran eagerly is ``torch+cudagraph-fell-back``)
 ``torch+compile``    Keras on torch compiled: ``model.compile(jit_compile=True)`` with
-                     ``MGPU_TORCH_COMPILE=1`` (Keras's own ``torch.compile`` path, and mgpu's
-                     compiled step where the engine has one)
+                     ``MGPU_TORCH_COMPILE=1``: mgpu's compiled step
+                     (``mgpu_launch/backends/torch/compiled.py``), on any device
 ``native``           the model written in plain torch, eager, DDP at 2+ processes (``native.py``)
 ``native+compile``   the same with ``torch.compile`` of the whole step (forward, loss, backward,
                      optimizer step)

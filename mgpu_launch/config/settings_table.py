@@ -276,6 +276,10 @@ SETTINGS: Dict[str, Setting] = _declare(
       "torch: reduce gradient buckets during backward (0: one fused allreduce in `apply`)"),
     _("MGPU_TORCH_CUDA_GRAPH", "flag", False, RANKS,
       "torch: capture the train step in a CUDA graph (DistributedOptimizer(cuda_graph=) wins)"),
+    _("MGPU_TORCH_COMPILE", "choice", "auto", RANKS,
+      "torch: trace and compile a DistributedOptimizer model's whole train step (auto: on with "
+      "a CUDA device, off on CPU; compile(jit_compile=) wins; docs/torch-compile.md)",
+      choices=("auto", "1", "0"), example="1"),
     _("MGPU_TORCH_KERNELS", "flag", True, RANKS,
       "torch: BatchNormalization and channels_last convolutions on torch's own kernels "
       "(0: Keras's torch lowering; mgpu_launch/backends/torch/kernels.py)"),

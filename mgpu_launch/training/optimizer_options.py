@@ -101,7 +101,8 @@ class DistributedOptions:
     def step_options(self) -> StepOptions:
         """What the engine's train step needs of these options (handed down to it)."""
         return StepOptions(cuda_graph=self.cuda_graph,
-                           backward_passes_per_step=int(self.backward_passes_per_step))
+                           backward_passes_per_step=int(self.backward_passes_per_step),
+                           within_a_set=self.process_set is not None)
 
     def replace(self, **changes) -> "DistributedOptions":
         """A copy with `changes` (checked again)."""

@@ -33,6 +33,7 @@ import sys
 from typing import Any, List, Optional, Sequence
 
 from mgpu_launch.backends import Engine, reduction, shared
+from mgpu_launch.backends.torch import compiled as compiled_step
 from mgpu_launch.runtime import process_sets
 from mgpu_launch.runtime.rendezvous import (host_and_port, interface_of, job_host_address,
                                             listen, rendezvous)
@@ -156,14 +157,20 @@ class TorchEngine(shared.KerasTrainStep, shared.HostBroadcast, shared.DenseReduc
 
     # -- the train step -----------------------------------------------------------------------------
     def wrap_train_function(self, model, function, options: reduction.StepOptions):
-        """With ``MGPU_TORCH_CUDA_GRAPH=1`` (or ``DistributedOptimizer(cuda_graph=True)``):
-        the step captured in a CUDA graph and replayed (mgpu_launch.backends.torch.graph)."""
+        """With ``jit_compile`` (by default on a GPU, mgpu_launch.backends.torch.compiled): the
+        step traced and compiled as one graph. With ``MGPU_TORCH_CUDA_GRAPH=1`` (or
+        ``DistributedOptimizer(cuda_graph=True)``): the step -- compiled or eager -- captured
+        in a CUDA graph and replayed (mgpu_launch.backends.torch.graph)."""
         from mgpu_launch import runtime
         from mgpu_launch.backends.torch import graph as torch_graph
+        chief = runtime.state.rank == 0
+        if model.jit_compile:  # Keras wrapped its own torch.compile around the step: unwrap
+            function = getattr(function, "__wrapped__", function)  # torch.compile's wraps
+            function = compiled_step.CompiledTrainStep(model, function, options,
+                                                       is_chief=chief)
         if not torch_graph.requested(options):
             return function
-        return torch_graph.GraphedTrainStep(model, function, options,
-                                            is_chief=runtime.state.rank == 0)
+        return torch_graph.GraphedTrainStep(model, function, options, is_chief=chief)
 
     def keras_patches(self, hooks):
         """The torch patch set (``backends/torch/patches.py``)."""
@@ -171,13 +178,9 @@ class TorchEngine(shared.KerasTrainStep, shared.HostBroadcast, shared.DenseReduc
         return patches.patch_set(hooks)
 
     def step_advice(self, model, options: reduction.StepOptions) -> str:
-        """On a GPU, an eager step: capture it (Keras's eager torch step is host-bound)."""
-        from mgpu_launch.backends.torch import graph as torch_graph
-        if torch_graph.requested(options) or torch_graph.static_reason(model, options):
-            return ""  # captured already, or it cannot be (no GPU, a LossScaleOptimizer, ...)
-        return ("on torch it runs eagerly, bound by the Python that launches its kernels: "
-                "DistributedOptimizer(cuda_graph=True) captures it in a CUDA graph (ResNet-50 "
-                "on an H200: 2.2-3.2x, docs/torch-cuda-graphs.md)")
+        """A step that runs eagerly: compile it (on a GPU also: capture it); nothing when it
+        is compiled or captured already; the reason when it fell back (``compiled.advice``)."""
+        return compiled_step.advice(model, options)
 
     def shutdown(self) -> None:
         process_sets.remove_listener(self._set_added, self._set_removed)
@@ -222,7 +225,10 @@ class TorchEngine(shared.KerasTrainStep, shared.HostBroadcast, shared.DenseReduc
         if any(t.device.type == "meta" for t in tensors):
             return tensors
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        total = _sum_across_ranks().apply(flat)
+        if compiled_step.tracing():  # inside the compiled step's trace: functional collectives
+            total = compiled_step.sum_across_ranks().apply(flat)
+        else:
+            total = _sum_across_ranks().apply(flat)
         return [piece.view_as(t) for piece, t in
                 zip(torch.split(total, [t.numel() for t in tensors]), tensors)]
 
@@ -246,6 +252,11 @@ class TorchEngine(shared.KerasTrainStep, shared.HostBroadcast, shared.DenseReduc
 
     def reduce_gradients(self, grads, variables, options: reduction.GradientReduction,
                          group=None) -> List[Any]:
+        if compiled_step.tracing():  # inside the compiled step's trace: collectives as ops
+            reducer = Reduction(self.size, options.average, options.prescale, options.postscale,
+                                options.compression, self._torch_group(group, "reduce_gradients"))
+            return compiled_step.reduce_in_graph(list(grads), list(variables), reducer,
+                                                 self.fusion_bytes)
         watched = self._watched
         within_a_set = getattr(group, "process_set_id", 0)
         if watched is not None and not within_a_set and watched.covers(variables):

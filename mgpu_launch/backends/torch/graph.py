@@ -25,7 +25,7 @@ statistics, metric accumulators and ``reset_metrics``. A Python float changed af
 
 When capture is impossible the step stays eager and ONE ``CudaGraphFallbackWarning`` (rank 0)
 names the reason: no CUDA device, a LossScaleOptimizer, ``backward_passes_per_step > 1``,
-``jit_compile=True``, a host read found in the step, a failed capture, or dynamic shapes.
+a host read found in the step, a failed capture, or dynamic shapes.
 """
 
 import collections
@@ -157,9 +157,6 @@ def static_reason(model, options: StepOptions) -> Optional[str]:
     if options.backward_passes_per_step > 1:
         return ("backward_passes_per_step > 1 decides on the host whether to apply; use "
                 "backward_passes_per_step=1 to capture the step")
-    if getattr(model, "jit_compile", False):
-        return "jit_compile=True (torch.compile) is not combined with capture; compile with "\
-               "jit_compile=False"
     if not torch.cuda.is_available():
         return "no CUDA device, the step runs on CPU (CUDA graphs need a GPU)"
     return None

@@ -1,9 +1,12 @@
 """The torch backend's Keras patch set (``TorchEngine.keras_patches`` returns it):
 
 - every model: the prefetched epoch iterator; on Keras >= 3.16 no DDP and per-rank metrics once
-  mgpu owns the process group; the train step wrapped by the engine (CUDA-graph capture);
-- once a step is wrapped for capture: SGD's update with the rate as a device tensor, Python
-  numbers made on the device while a step is warmed up or captured;
+  mgpu owns the process group; the train step wrapped by the engine (compiled,
+  ``compiled.py``, and CUDA-graph capture); ``jit_compile="auto"`` resolved by
+  ``MGPU_TORCH_COMPILE`` and never Keras's own ``torch.compile`` for a DistributedOptimizer
+  model;
+- once a step is wrapped (compiled or captured): SGD's update with the rate as a device
+  tensor, Python numbers made on the device while a step is warmed up or captured;
 - torch's own kernels for BatchNormalization and channels-last convolutions (``kernels.py``),
   unless ``MGPU_TORCH_KERNELS=0``.
 """
@@ -65,7 +68,16 @@ def patch_set(hooks: Hooks) -> PatchSet:
             Replacement("torch_train_function", Patch(_TRAINER, "make_train_function",
                                                       ("self", "force")),
                         lambda original: train_function(original, hooks),
-                        "let the engine wrap the step (CUDA-graph capture)"),
+                        "let the engine wrap the step (compiled, CUDA-graph capture)"),
+            Replacement("torch_auto_jit", Patch(TRAINER, "_resolve_auto_jit_compile",
+                                                ("self",)),
+                        lambda original: auto_jit(original, hooks),
+                        "jit_compile='auto': the compiled step where MGPU_TORCH_COMPILE says"),
+            Replacement("torch_keras_compile", Patch(_TRAINER, "_should_torch_compile",
+                                                     ("self",), optional=True),
+                        lambda original: keras_compile(original, hooks),
+                        "never Keras's own torch.compile of a DistributedOptimizer model's "
+                        "step functions"),
         ),
         on_capture=ON_CAPTURE,
         kernels=KERNELS if settings.flag("MGPU_TORCH_KERNELS") else ())
@@ -110,12 +122,37 @@ def train_function(original, hooks: Hooks):
         if hooks.uses_distributed_optimizer(self):
             wrapped = backends.get_engine().wrap_train_function(
                 self, self.train_function, hooks.step_options(self))
-            if wrapped is not self.train_function:  # capture asked for
+            if wrapped is not self.train_function:  # compiled or captured
                 for replacement in ON_CAPTURE:
                     apply(replacement)
             self.train_function = wrapped
         return self.train_function
     return make_train_function
+
+
+def auto_jit(original, hooks: Hooks):
+    # Keras resolves "auto" to eager on torch. A DistributedOptimizer model gets mgpu's compiled
+    # step (backends/torch/compiled.py) where MGPU_TORCH_COMPILE says (default: on a GPU);
+    # compile(jit_compile=False) still means eager, jit_compile=True compiled.
+    from mgpu_launch.backends.torch import compiled
+
+    def _resolve_auto_jit_compile(self):
+        if hooks.uses_distributed_optimizer(self):
+            return compiled.default_on()
+        return original(self)
+    return _resolve_auto_jit_compile
+
+
+def keras_compile(original, hooks: Hooks):
+    # Keras's jit_compile=True on torch is torch.compile of its step functions: dynamo traces
+    # Keras's Python, hits the recompile limit and falls back (docs/torch-compile.md). For a
+    # DistributedOptimizer model the train step is mgpu's compiled one (the engine wraps it);
+    # evaluate and predict stay eager, as with jit_compile=False.
+    def _should_torch_compile(self):
+        if hooks.uses_distributed_optimizer(self):
+            return False
+        return original(self)
+    return _should_torch_compile
 
 
 def sgd_update(original):

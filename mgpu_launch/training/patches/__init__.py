@@ -48,10 +48,17 @@ Keras attribute                            backend   why
 ``Trainer.get_compile_config``             all       save the inner optimizer (and the wrapper's
                                                      settings in a key Keras ignores), so a
                                                      saved model loads without mgpu_launch
-``TorchTrainer.make_train_function``       torch     let the engine wrap the step (CUDA-graph
+``TorchTrainer.make_train_function``       torch     let the engine wrap the step (compiled,
+                                                     ``backends.torch.compiled``; CUDA-graph
                                                      capture, ``MGPU_TORCH_CUDA_GRAPH=1``)
-``torch_sgd.SGD._parallel_update_step``    torch     with capture on: the learning rate as a
-                                                     device tensor (Keras reads it on the host)
+``Trainer._resolve_auto_jit_compile``      torch     ``jit_compile="auto"``: the compiled step
+                                                     where ``MGPU_TORCH_COMPILE`` says (by
+                                                     default on a GPU)
+``TorchTrainer._should_torch_compile``     torch     never Keras's own ``torch.compile`` of the
+                                                     step functions (evaluate, predict: eager)
+``torch_sgd.SGD._parallel_update_step``    torch     with the step compiled or captured: the
+                                                     learning rate as a device tensor (Keras
+                                                     reads it on the host)
 ``BatchNormalization.call``                torch     on ``torch.nn.functional.batch_norm`` (one
                                                      fused kernel, not Keras's float32
                                                      arithmetic); any model, unless
