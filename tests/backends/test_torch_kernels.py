@@ -44,16 +44,21 @@ def _network(keras, policy):
     return model
 
 
-def _step_results(keras, policy, patched: bool, monkeypatch):
-    """Weights (moving statistics included), losses and inference outputs of 3 train steps."""
-    from keras.src.backend.torch import nn as torch_nn
-    from keras.src.layers.normalization.batch_normalization import BatchNormalization
-
+def _install_kernels() -> None:
+    """The torch patch set's kernels (BatchNormalization, channels_last conv), installed."""
     from mgpu_launch.backends.torch import patches
     from mgpu_launch.keras_patching import apply
 
     for replacement in patches.KERNELS:
         apply(replacement)
+
+
+def _step_results(keras, policy, patched: bool, monkeypatch):
+    """Weights (moving statistics included), losses and inference outputs of 3 train steps."""
+    from keras.src.backend.torch import nn as torch_nn
+    from keras.src.layers.normalization.batch_normalization import BatchNormalization
+
+    _install_kernels()
     with monkeypatch.context() as local:
         if not patched:  # Keras's own lowering, as without mgpu
             local.setattr(BatchNormalization, "call", BatchNormalization.call.__wrapped__)
@@ -150,10 +155,7 @@ def _small_batch_results(keras, batch, spatial, patched, monkeypatch):
     from keras.src.backend.torch import nn as torch_nn
     from keras.src.layers.normalization.batch_normalization import BatchNormalization
 
-    from mgpu_launch.training import patches
-
-    for name in patches.TORCH_KERNELS:
-        patches.apply(name)
+    _install_kernels()
     with monkeypatch.context() as local:
         if not patched:
             local.setattr(BatchNormalization, "call", BatchNormalization.call.__wrapped__)
