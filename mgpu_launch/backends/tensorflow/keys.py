@@ -74,23 +74,15 @@ class CollectiveKeys:
         signature = f"{flat.dtype.name}:{flat.shape.as_list()}:{position}"
         signature = signature if kind == "reduce" else f"{kind}:{signature}"  # (global sums)
         key = 1 + zlib.crc32(signature.encode()) % FIXED_KEYS
-        known = self._signatures.setdefault(key, signature)
-        if known != signature:
-            raise RuntimeError(
-                f"mgpu: two different TensorFlow collectives ({known} and {signature}) map to "
-                f"instance key {key}. This is a hash collision, not a mistake of yours; report "
-                f"it, and meanwhile change one buffer's shape or dtype.")
+        _claim(self._signatures, key, signature, "collectives", f"instance key {key}",
+               "one buffer's shape or dtype")
         return key
 
     def bucket_base(self, signature: str) -> int:
         """The first key of the block of padded-gather keys that `signature` owns."""
         block = zlib.crc32(signature.encode()) % _BLOCKS
-        known = self._bucket_blocks.setdefault(block, signature)
-        if known != signature:
-            raise RuntimeError(
-                f"mgpu: two different TensorFlow gathers ({known} and {signature}) map to key "
-                f"block {block}. This is a hash collision, not a mistake of yours; report it, "
-                f"and meanwhile change one tensor's trailing shape or dtype.")
+        _claim(self._bucket_blocks, block, signature, "gathers", f"key block {block}",
+               "one tensor's trailing shape or dtype")
         return BUCKET_REGION + block * BLOCK
 
     def _counter(self, group):
@@ -104,3 +96,15 @@ class CollectiveKeys:
                     FIXED_KEYS, dtype=tf.int32, trainable=False,
                     name=f"mgpu_collective_instance_key_set{group.process_set_id}")
         return self._set_counters[group.key]
+
+
+def _claim(table: dict, slot: int, signature: str, what: str, where: str, change: str) -> None:
+    """Give `slot` of `table` to `signature`; two signatures on one slot (a hash collision of
+    their CRC-32) would make two TensorFlow collectives meet as one, so that raises."""
+    known = table.setdefault(slot, signature)
+    if known != signature:
+        raise RuntimeError(
+            f"mgpu: two different TensorFlow {what} ({known} and {signature}) map to {where}. "
+            f"This is a hash collision, not a mistake of yours; report it, and meanwhile "
+            f"change {change}.")
+
