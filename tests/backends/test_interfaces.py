@@ -47,6 +47,21 @@ def test_every_interface_method_is_abstract_and_each_shared_piece_serves_one_int
         assert methods and len({owners[name] for name in methods}) == 1, piece_name
 
 
+@pytest.mark.parametrize("backend", sorted(backends.BACKENDS))
+def test_an_engine_method_that_calls_super_reaches_a_shared_piece(backend):
+    # An interface's abstract body does nothing: an engine that wraps super() around a piece
+    # it forgot to list (TensorFlow's broadcast_variables without HostBroadcast) would run
+    # it silently, and the ranks would keep their own weights.
+    engine_class = _engine_class(backend)
+    for name, method in vars(engine_class).items():
+        if "super" not in getattr(getattr(method, "__code__", None), "co_names", ()):
+            continue
+        below = next(klass for klass in engine_class.__mro__[1:] if name in vars(klass))
+        assert not getattr(vars(below)[name], "__isabstractmethod__", False), (
+            f"{engine_class.__name__}.{name} calls super(), which reaches the abstract "
+            f"{below.__name__}.{name}: list the shared piece that implements it")
+
+
 def test_a_backend_without_an_engine_gets_keras_only():
     engine = backends.get_engine_or_default("no-such-backend")
     assert isinstance(engine, backends.KerasOnly) and not engine.supports_process_sets()

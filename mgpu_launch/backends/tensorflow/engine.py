@@ -79,9 +79,10 @@ def _shaped_like(gradient, variable):
     return tf.reshape(gradient, tuple(shape))
 
 
-class TensorFlowEngine(shared.KerasFeeding, shared.KerasTrainStep, shared.DenseReduction,
-                       shared.HasProcessSets, shared.GroupCheck, shared.GatherBySum,
-                       shared.DefaultReductionTiming, Engine, api.GraphCollectives):
+class TensorFlowEngine(shared.KerasFeeding, shared.KerasTrainStep, shared.HostBroadcast,
+                       shared.DenseReduction, shared.HasProcessSets, shared.GroupCheck,
+                       shared.GatherBySum, shared.DefaultReductionTiming, Engine,
+                       api.GraphCollectives):
     name = "tensorflow"
 
     def __init__(self):
