@@ -188,7 +188,7 @@ class TorchRun(Environment):
     name = "torchrun"
     RANK, SIZE, LOCAL_RANK, LOCAL_SIZE = "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"
     ADDRESS, PORT = "MASTER_ADDR", "MASTER_PORT"
-    CONTROL_PLANE = "torch"
+    CONTROL_PLANE = "torch.distributed"
 
     def coordinator_address(self, environ: Mapping[str, str]) -> Optional[str]:
         """``MASTER_ADDR:MASTER_PORT``; None unless both are set and the port is a number

@@ -257,6 +257,10 @@ SETTINGS: Dict[str, Setting] = _declare(
     _("MGPU_PROFILE_SKIP_ALLREDUCE", "flag", False, RANKS,
       "JAX and TensorFlow, profiling only: skip the gradient allreduce (the gradients are "
       "then wrong)"),
+    _("MGPU_JOIN_TIMEOUT", "seconds", 120.0, RANKS,
+      "a job not started by MPI (torchrun, JAX's variables): seconds every rank waits for the "
+      "others to join the control plane's store before it names the missing ranks", low=1,
+      example="120"),
     _("MGPU_JAX_COORDINATOR", "address", None, RANKS,
       "JAX: the coordinator's address (rank 0's host)", **_HOST_PORT),
     _("MGPU_JAX_INIT_TIMEOUT", "seconds", 60.0, RANKS,

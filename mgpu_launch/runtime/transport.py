@@ -39,11 +39,14 @@ REDUCE_OPS = ("sum", "min", "max", "product")
 #: ``join(placement)`` returns the :class:`Transport`; the one list of what is supported
 TRANSPORTS: Dict[str, str] = {
     "mpi": "mgpu_launch.runtime.transport_mpi",
+    "torch.distributed": "mgpu_launch.runtime.transport_torch",
 }
 
 #: how each supported plane's ranks are started, for the refusal of any other
 _STARTED_BY = {"mpi": "mgpu-train -np N, mpirun / mpiexec (Open MPI, MPICH, Intel MPI) or "
-                      "srun --mpi=pmix"}
+                      "srun --mpi=pmix",
+               "torch.distributed": "torchrun, or a Kubeflow PyTorchJob: RANK, WORLD_SIZE, "
+                                    "MASTER_ADDR, MASTER_PORT"}
 
 
 class Transport(abc.ABC):
