@@ -7,12 +7,14 @@ timeline's clock offsets. Gradients do not: they travel inside the compiled step
 backend's own communicator (NCCL, gloo, gRPC), which the engines bootstrap over this one.
 
 One implementation per starter, each in a module of its own that alone imports its library:
-MPI today (:mod:`mgpu_launch.runtime.transport_mpi`, mpi4py; the ranks ``mpirun``, ``srun
---mpi=pmix`` and ``mgpu-train -np N`` start). Which one a job uses is decided once, by
+MPI (:mod:`mgpu_launch.runtime.transport_mpi`, mpi4py; the ranks ``mpirun``, ``srun
+--mpi=pmix`` and ``mgpu-train -np N`` start) and torch.distributed
+(:mod:`mgpu_launch.runtime.transport_torch`: torchrun's TCP store and a gloo group; the ranks
+torchrun or a Kubeflow PyTorchJob start). Which one a job uses is decided once, by
 :func:`join`, from the environment that started the ranks
 (:class:`mgpu_launch.config.environments.Placement`: its ``control_plane``, and the
-``coordinator_address`` a store-based plane dials). A new control plane (torchrun's TCP store
-with gloo, JAX's coordination service) is one module here with a subclass of
+``coordinator_address`` a store-based plane dials). A new control plane (JAX's coordination
+service, say) is one module here with a subclass of
 :class:`Transport` and a ``join(placement)``, one line in :data:`TRANSPORTS`, and the
 environment that names it (docs/architecture.md, "Where a new thing goes"). Shapes: JAX's
 ``ClusterEnv`` (``jax/_src/clusters/cluster.py``) read once by ``State.initialize``; torch's

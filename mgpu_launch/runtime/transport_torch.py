@@ -263,7 +263,8 @@ def join(placement) -> TorchTransport:
         raise RuntimeError(
             "torch.distributed is already initialized in this process; under torchrun "
             "mgpu.init() starts it itself from torchrun's variables (and the torch engine uses "
-            "that group). Remove the init_process_group call, or make it after mgpu.init().")
+            "that group). Remove the init_process_group call: after mgpu.init(), the default "
+            "group is the job's.")
     host, port = rendezvous.host_and_port(placement.coordinator_address)
     join_timeout = datetime.timedelta(seconds=settings.seconds("MGPU_JOIN_TIMEOUT"))
     timeout = datetime.timedelta(seconds=settings.seconds("MGPU_TORCH_TIMEOUT"))
