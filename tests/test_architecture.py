@@ -467,6 +467,8 @@ FRAMEWORK_EXCEPTIONS = {
     # before any engine exists; imported only when that plane is joined, as transport_mpi
     # alone imports mpi4py
     ("mgpu_launch.runtime.transport_torch", "torch"): "the torch.distributed control plane",
+    # likewise the processes started with JAX's variables meet at JAX's coordination service
+    ("mgpu_launch.runtime.transport_jax", "jax"): "the jax.distributed control plane",
 }
 #: the layers that import no Keras either ("runtime/: no Keras, no framework")
 KERAS_FREE = ("mgpu_launcher", "mgpu_launch.runtime", "mgpu_launch.config")
