@@ -155,6 +155,41 @@ def torchrun(np_, *argv, timeout=120, **extra_env):
                           text=True, timeout=timeout)
 
 
+def jax_processes(np_, *argv, timeout=120, **extra_env):
+    """Start `argv` (a script and its arguments) as `np_` plain Python processes with JAX's
+    variables (JAX_COORDINATOR_ADDRESS on a free port of this host, JAX_NUM_PROCESSES,
+    JAX_PROCESS_ID), as a JAX platform launcher would: no mgpu-train, no MPI, no torchrun.
+    Every process is killed at `timeout` s.
+
+    Returns:
+        A CompletedProcess: the worst exit status (0 only if every process exited 0), every
+        process's stdout and stderr joined in process order.
+    """
+    import socket
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    processes = [subprocess.Popen(
+        [sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env=job_env(**{"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+                                  "JAX_NUM_PROCESSES": str(np_), "JAX_PROCESS_ID": str(rank),
+                                  **extra_env})) for rank in range(np_)]
+    import time
+    outputs, deadline = [], time.monotonic() + timeout
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=max(1.0, deadline - time.monotonic())))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    codes = [process.returncode for process in processes]
+    return subprocess.CompletedProcess(argv, next((c for c in codes if c), 0),
+                                       "".join(o for o, _ in outputs),
+                                       "".join(e for _, e in outputs))
+
+
 def explain(result):
     return f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import (BACKEND, SCRIPTS, assert_ok, explain, launch, launch_ok, rank_weights,
-                      requires_mpirun, torchrun)
+                      jax_processes, requires_mpirun, torchrun)
 
 pytestmark = [requires_mpirun, pytest.mark.backend, pytest.mark.job,
               pytest.mark.usefixtures("backend")]
@@ -47,8 +47,9 @@ def train(tmp_path_factory, config, np_=None, **env):
 def train_each(tmp_path_factory, configs, np_=None, starter="mgpu-train"):
     """One job that trains every config of `configs` (name -> config) in turn, each on a fresh
     model (scripts/train.py with a list): one framework start-up per rank, not one per config.
-    `starter`: ``"mgpu-train"`` (over MPI), or ``"torchrun"`` (`np_` ranks started by real
-    torchrun, no mgpu-train: the torch.distributed control plane).
+    `starter`: ``"mgpu-train"`` (over MPI), ``"torchrun"`` (`np_` ranks started by real
+    torchrun, no mgpu-train: the torch.distributed control plane) or ``"jax"`` (`np_` plain
+    processes with JAX's variables: the jax.distributed control plane).
 
     Returns:
         name -> (weights by rank, infos by rank), as train() returns them.
@@ -58,6 +59,8 @@ def train_each(tmp_path_factory, configs, np_=None, starter="mgpu-train"):
     script = [TRAIN, json.dumps(listed), str(out)]
     if starter == "torchrun":
         assert_ok(torchrun(np_, *script, timeout=600, **QUIET))
+    elif starter == "jax":
+        assert_ok(jax_processes(np_, *script, timeout=600, **QUIET))
     else:
         launch_ok(*((["-np", str(np_)] if np_ else []) + script), timeout=600, **QUIET)
     return {name: _read(out / name, np_ or 1) for name in configs}
@@ -163,14 +166,16 @@ def test_different_seeds_start_from_rank_0(two_processes, reference):
     assert_same(weights[0], reference["sgd"])
 
 
-@only_on["torch"]
-def test_torchrun_two_processes_equal_one_process(tmp_path_factory, reference):
-    # The same script started by torchrun, no mgpu-train, no MPI: the ranks meet at torchrun's
-    # TCP store and reduce over the gloo group the control plane started (transport_torch).
+@pytest.mark.skipif(BACKEND == "tensorflow", reason="TensorFlow runs over MPI only")
+def test_started_without_mpi_two_processes_equal_one_process(tmp_path_factory, reference):
+    # The same script with no mgpu-train and no MPI. torch: started by real torchrun, the ranks
+    # meet at torchrun's TCP store and reduce over the gloo group the control plane started
+    # (transport_torch). JAX: two plain processes with JAX's variables meet at JAX's
+    # coordination service (transport_jax), the engine's psum over its gloo.
     runs = train_each(tmp_path_factory, {
         "global_batch": {}, "adam": {"optimizer": "adam", "lr": 0.01},
         "passes": {"passes": 2, "global_batch": 16},
-    }, np_=2, starter="torchrun")
+    }, np_=2, starter="torchrun" if BACKEND == "torch" else "jax")
     for name, expected in (("global_batch", "sgd"), ("adam", "adam"), ("passes", "sgd_batch16")):
         weights, info = runs[name]
         assert_ranks_identical(weights)
