@@ -144,13 +144,13 @@ def launch(*argv, timeout=120, **extra_env):
                           timeout=timeout)
 
 
-def torchrun(np_, *argv, timeout=120, **extra_env):
+def torchrun(np_, *argv, timeout=120, options=(), **extra_env):
     """Run `argv` (a script and its arguments) under real torchrun: ``python -m
-    torch.distributed.run --standalone --nproc-per-node np_`` (its own free port, its agent's
-    TCP store), with no mgpu-train; returns the CompletedProcess. The ranks then talk over
+    torch.distributed.run --standalone --nproc-per-node np_ [options]`` (its own free port, its
+    agent's TCP store), with no mgpu-train; returns the CompletedProcess. The ranks then talk over
     the torch.distributed control plane (mgpu_launch.runtime.transport_torch)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(np_), *argv]
+               "--nproc-per-node", str(np_), *options, *argv]
     return subprocess.run(command, cwd=ROOT, env=job_env(**extra_env), capture_output=True,
                           text=True, timeout=timeout)
 

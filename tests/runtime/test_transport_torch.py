@@ -75,3 +75,22 @@ def test_the_stall_inspector_names_a_late_rank_over_torch_distributed(tmp_path):
     assert result.returncode == 0, explain(result)
     assert result.stderr.count("mgpu: stall: rank 1 has not entered step 6") == 1, \
         explain(result)
+
+
+def test_elastic_state_resumes_from_its_commit_after_a_torchrun_restart(tmp_path):
+    # hvd.elastic.ObjectState (commits on rank 0's disk, restored and synced over the plane):
+    # rank 1 fails after step 5 of 10; torchrun's --max-restarts 1 starts both again, and
+    # they resume from the commit after step 4 with rank 0's values.
+    out = tmp_path / "out"
+    out.mkdir()
+    result = torchrun(2, os.path.join(SCRIPTS, "hvd_object_state.py"), str(tmp_path / "state"),
+                      str(out), "4", timeout=400, options=("--max-restarts", "1"),
+                      KERAS_BACKEND="torch")
+    assert result.returncode == 0, explain(result)
+    assert "injected fault after step 4" in result.stderr + result.stdout, explain(result)
+    total = float(sum((step + 1) * 3 for step in range(10)))
+    for rank in range(2):
+        got = json.loads((out / f"rank.{rank}.json").read_text())
+        assert got["started"] == {"step": 4, "note": "rank 0", "total": 30.0}, got
+        assert got["done"] == list(range(4, 10)) and got["total"] == total, got
+        assert not got["state_dir_left"], got
