@@ -18,7 +18,6 @@ The one runtime module besides transport_torch that imports a framework
 (tests/test_architecture.py names it, with why): imported only when this plane is joined.
 """
 
-import os
 import pickle
 import socket
 from typing import Any, List, Optional, Sequence
@@ -205,6 +204,5 @@ def join(placement) -> JaxTransport:
             f"JAX_COORDINATOR_ADDRESS and JAX_NUM_PROCESSES, or raise MGPU_JOIN_TIMEOUT."
         ) from error
     timeout_ms = int(settings.seconds("MGPU_TORCH_TIMEOUT") * 1000)
-    restart = os.environ.get("MGPU_RESTART_COUNT", "0")
-    return JaxTransport(distributed.global_state.client, f"mgpu/{restart}", placement.rank,
+    return JaxTransport(distributed.global_state.client, "mgpu", placement.rank,
                         placement.size, timeout_ms, owned=True)
