@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import SCRIPTS, explain, processes_mentioning, torchrun
+from conftest import SCRIPTS, by_hand, explain, processes_mentioning, torchrun
 from runtime.test_process_sets import check_static_sets
 
 pytestmark = pytest.mark.job
@@ -94,3 +94,14 @@ def test_elastic_state_resumes_from_its_commit_after_a_torchrun_restart(tmp_path
         assert got["started"] == {"step": 4, "note": "rank 0", "total": 30.0}, got
         assert got["done"] == list(range(4, 10)) and got["total"] == total, got
         assert not got["state_dir_left"], got
+
+
+def test_ranks_started_by_hand_with_torchrun_s_variables_meet_at_rank_0_s_store(tmp_path):
+    # A PyTorchJob's pods, or processes started by hand: torchrun's variables, no agent; rank
+    # 0 serves the store itself on MASTER_ADDR:MASTER_PORT.
+    def variables(rank, port):
+        return {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    result = by_hand(2, variables, os.path.join(SCRIPTS, "fail.py"), "exit", "9",
+                     str(tmp_path / "x"), timeout=180, MGPU_ENGINE="none")
+    assert result.returncode == 0, explain(result)
