@@ -30,7 +30,7 @@ Environment each worker's program receives (besides what its MPI launcher sets):
     MGPU_RANK, MGPU_SIZE             global rank and number of processes
     MGPU_LOCAL_RANK, MGPU_LOCAL_SIZE rank and number of processes on this host
     MGPU_ENVIRONMENT                 which launcher was detected (openmpi, mpich, slurm,
-                                     torchrun, single)
+                                     torchrun, jax-variables, single)
     MGPU_GPU                         id of the GPU pinned to this process (only with GPUs)
     MGPU_LOCAL_DEVICE                its index among the host's visible GPUs (only with GPUs)
     CUDA_VISIBLE_DEVICES             = MGPU_GPU, except for KERAS_BACKEND=jax, which must see

@@ -144,6 +144,60 @@ def launch(*argv, timeout=120, **extra_env):
                           timeout=timeout)
 
 
+def torchrun(np_, *argv, timeout=120, options=(), **extra_env):
+    """Run `argv` (a script and its arguments) under real torchrun: ``python -m
+    torch.distributed.run --standalone --nproc-per-node np_ [options]`` (its own free port, its
+    agent's TCP store), with no mgpu-train; returns the CompletedProcess. The ranks then talk over
+    the torch.distributed control plane (mgpu_launch.runtime.transport_torch)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(np_), *options, *argv]
+    return subprocess.run(command, cwd=ROOT, env=job_env(**extra_env), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def by_hand(np_, variables, *argv, timeout=120, **extra_env):
+    """Start `argv` (a script and its arguments) as `np_` plain Python processes, with
+    ``variables(rank, port)``'s variables each (`port`: a free port of this host), as a
+    launcher that is neither mgpu-train, MPI nor torchrun would. Every process is killed at
+    `timeout` s.
+
+    Returns:
+        A CompletedProcess: the worst exit status (0 only if every process exited 0), every
+        process's stdout and stderr joined in process order.
+    """
+    import socket
+    import time
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    processes = [subprocess.Popen(
+        [sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, env=job_env(**{**variables(rank, port), **extra_env}))
+        for rank in range(np_)]
+    outputs, deadline = [], time.monotonic() + timeout
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=max(1.0, deadline - time.monotonic())))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    codes = [process.returncode for process in processes]
+    return subprocess.CompletedProcess(argv, next((c for c in codes if c), 0),
+                                       "".join(o for o, _ in outputs),
+                                       "".join(e for _, e in outputs))
+
+
+def jax_processes(np_, *argv, timeout=120, **extra_env):
+    """`by_hand` with JAX's variables (JAX_COORDINATOR_ADDRESS on the free port,
+    JAX_NUM_PROCESSES, JAX_PROCESS_ID), as a JAX platform launcher would start them."""
+    def variables(rank, port):
+        return {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": str(np_),
+                "JAX_PROCESS_ID": str(rank)}
+    return by_hand(np_, variables, *argv, timeout=timeout, **extra_env)
+
+
 def explain(result):
     return f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
 

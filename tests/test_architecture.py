@@ -460,8 +460,16 @@ def flag(optimizer):
 FRAMEWORKS = ("tensorflow", "jax", "jaxlib", "torch")
 #: the packages that may import a framework
 FRAMEWORK_HOMES = ("mgpu_launch.backends", "mgpu_launch.bench")
-#: the lazy exceptions docs/architecture.md names: (module, framework)
-FRAMEWORK_EXCEPTIONS = {("mgpu_launch.training.data", "tensorflow")}
+#: the lazy exceptions docs/architecture.md names: (module, framework) -> why
+FRAMEWORK_EXCEPTIONS = {
+    ("mgpu_launch.training.data", "tensorflow"): "shard() reads a tf.data.Dataset it is given",
+    # a torchrun job's control plane is torch's own (TCPStore + gloo), joined by the runtime
+    # before any engine exists; imported only when that plane is joined, as transport_mpi
+    # alone imports mpi4py
+    ("mgpu_launch.runtime.transport_torch", "torch"): "the torch.distributed control plane",
+    # likewise the processes started with JAX's variables meet at JAX's coordination service
+    ("mgpu_launch.runtime.transport_jax", "jax"): "the jax.distributed control plane",
+}
 #: the layers that import no Keras either ("runtime/: no Keras, no framework")
 KERAS_FREE = ("mgpu_launcher", "mgpu_launch.runtime", "mgpu_launch.config")
 

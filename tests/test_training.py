@@ -14,7 +14,8 @@ import os
 import numpy as np
 import pytest
 
-from conftest import BACKEND, SCRIPTS, explain, launch, launch_ok, rank_weights, requires_mpirun
+from conftest import (BACKEND, SCRIPTS, assert_ok, explain, launch, launch_ok, rank_weights,
+                      jax_processes, requires_mpirun, torchrun)
 
 pytestmark = [requires_mpirun, pytest.mark.backend, pytest.mark.job,
               pytest.mark.usefixtures("backend")]
@@ -43,17 +44,25 @@ def train(tmp_path_factory, config, np_=None, **env):
     return _read(out, np_ or 1)
 
 
-def train_each(tmp_path_factory, configs, np_=None):
+def train_each(tmp_path_factory, configs, np_=None, starter="mgpu-train"):
     """One job that trains every config of `configs` (name -> config) in turn, each on a fresh
     model (scripts/train.py with a list): one framework start-up per rank, not one per config.
+    `starter`: ``"mgpu-train"`` (over MPI), ``"torchrun"`` (`np_` ranks started by real
+    torchrun, no mgpu-train: the torch.distributed control plane) or ``"jax"`` (`np_` plain
+    processes with JAX's variables: the jax.distributed control plane).
 
     Returns:
         name -> (weights by rank, infos by rank), as train() returns them.
     """
     out = tmp_path_factory.mktemp("runs")
     listed = [{"name": name, **config} for name, config in configs.items()]
-    argv = (["-np", str(np_)] if np_ else []) + [TRAIN, json.dumps(listed), str(out)]
-    launch_ok(*argv, timeout=600, **QUIET)
+    script = [TRAIN, json.dumps(listed), str(out)]
+    if starter == "torchrun":
+        assert_ok(torchrun(np_, *script, timeout=600, **QUIET))
+    elif starter == "jax":
+        assert_ok(jax_processes(np_, *script, timeout=600, **QUIET))
+    else:
+        launch_ok(*((["-np", str(np_)] if np_ else []) + script), timeout=600, **QUIET)
     return {name: _read(out / name, np_ or 1) for name in configs}
 
 
@@ -155,6 +164,24 @@ def test_different_seeds_start_from_rank_0(two_processes, reference):
     weights, _ = two_processes[0]["seeds"]
     assert_ranks_identical(weights)
     assert_same(weights[0], reference["sgd"])
+
+
+@pytest.mark.skipif(BACKEND == "tensorflow", reason="TensorFlow runs over MPI only")
+def test_started_without_mpi_two_processes_equal_one_process(tmp_path_factory, reference):
+    # The same script with no mgpu-train and no MPI. torch: started by real torchrun, the ranks
+    # meet at torchrun's TCP store and reduce over the gloo group the control plane started
+    # (transport_torch). JAX: two plain processes with JAX's variables meet at JAX's
+    # coordination service (transport_jax), the engine's psum over its gloo.
+    runs = train_each(tmp_path_factory, {
+        "global_batch": {}, "adam": {"optimizer": "adam", "lr": 0.01},
+        "passes": {"passes": 2, "global_batch": 16},
+    }, np_=2, starter="torchrun" if BACKEND == "torch" else "jax")
+    for name, expected in (("global_batch", "sgd"), ("adam", "adam"), ("passes", "sgd_batch16")):
+        weights, info = runs[name]
+        assert_ranks_identical(weights)
+        assert_same(weights[0], reference[expected])
+        assert info[0]["optimizer"] == "DistributedOptimizer"
+        assert info[0]["loss"] == info[1]["loss"]
 
 
 @only_on["tensorflow"]

@@ -11,7 +11,8 @@ Priority (first active wins), and why:
 3. Slurm (``srun``) — only inside a job *step*: a batch script's own environment also carries
    SLURM_PROCID=0 and SLURM_NTASKS, which every rank of an ``mpirun`` inside ``sbatch`` inherits,
    so a step id is required and the MPI launchers come first.
-4. torchrun-style RANK / WORLD_SIZE — generic names many tools set; weakest evidence, last.
+4. torchrun-style RANK / WORLD_SIZE — generic names many tools set.
+5. JAX's JAX_PROCESS_ID / JAX_NUM_PROCESSES (with JAX_COORDINATOR_ADDRESS) — last.
 
 None active means a single process (rank 0 of 1).
 
@@ -188,7 +189,7 @@ class TorchRun(Environment):
     name = "torchrun"
     RANK, SIZE, LOCAL_RANK, LOCAL_SIZE = "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"
     ADDRESS, PORT = "MASTER_ADDR", "MASTER_PORT"
-    CONTROL_PLANE = "torch"
+    CONTROL_PLANE = "torch.distributed"
 
     def coordinator_address(self, environ: Mapping[str, str]) -> Optional[str]:
         """``MASTER_ADDR:MASTER_PORT``; None unless both are set and the port is a number
@@ -199,8 +200,32 @@ class TorchRun(Environment):
         return f"[{host}]:{int(port)}" if ":" in host else f"{host}:{int(port)}"
 
 
+class JaxProcesses(Environment):
+    """Processes started with JAX's variables (a JAX platform launcher, or N plain starts):
+    ``JAX_PROCESS_ID`` of ``JAX_NUM_PROCESSES``, meeting at JAX's coordination service on
+    ``JAX_COORDINATOR_ADDRESS`` (which ``jax.distributed.initialize`` itself reads).
+
+    They name no local rank: the placement counts every process as this host's until
+    ``mgpu.init()`` groups the ranks by host over the control plane (local rank and size
+    come from there, as on every plane). On GPUs, JAX's own ``JAX_LOCAL_DEVICE_IDS`` picks a
+    process's device.
+    """
+
+    name = "jax-variables"
+    RANK, SIZE = "JAX_PROCESS_ID", "JAX_NUM_PROCESSES"
+    LOCAL_RANK, LOCAL_SIZE = RANK, SIZE
+    ADDRESS = "JAX_COORDINATOR_ADDRESS"
+    CONTROL_PLANE = "jax.distributed"
+
+    def coordinator_address(self, environ: Mapping[str, str]) -> Optional[str]:
+        """``JAX_COORDINATOR_ADDRESS`` when it is ``host:port`` with a numeric port."""
+        host, _, port = environ.get(self.ADDRESS, "").strip().rpartition(":")
+        return f"{host}:{int(port)}" if host and port.isdigit() else None
+
+
 #: Priority order, strongest evidence first (see the module docstring).
-ENVIRONMENTS: Tuple[Environment, ...] = (OpenMPI(), MPICH(), Slurm(), TorchRun())
+ENVIRONMENTS: Tuple[Environment, ...] = (OpenMPI(), MPICH(), Slurm(), TorchRun(),
+                                         JaxProcesses())
 
 
 def active_placements(environ: Optional[Mapping[str, str]] = None) -> Sequence[Placement]:

@@ -263,6 +263,10 @@ SETTINGS: Dict[str, Setting] = _declare(
       "`KERAS_DISTRIBUTION_JOB_ADDRESSES`, and `MASTER_ADDR`:`MASTER_PORT` "
       "(docs/starting-processes.md); mgpu-train -np N sets it on one host",
       example="10.0.0.1:29500", shown_default="rank 0's host, a free port (agreed over MPI)"),
+    _("MGPU_JOIN_TIMEOUT", "seconds", 120.0, RANKS,
+      "a job not started by MPI (torchrun, JAX's variables): seconds every rank waits for the "
+      "others to join the control plane's store before it names the missing ranks", low=1,
+      example="120"),
     _("MGPU_JAX_COORDINATOR", "address", None, RANKS,
       "JAX: the coordinator's address (rank 0's host)", **_HOST_PORT),
     _("MGPU_JAX_INIT_TIMEOUT", "seconds", 60.0, RANKS,
@@ -270,7 +274,8 @@ SETTINGS: Dict[str, Setting] = _declare(
     _("MGPU_TORCH_ADDRESS", "address", None, RANKS,
       "torch: the TCPStore's address (rank 0's host)", **_HOST_PORT),
     _("MGPU_TORCH_TIMEOUT", "seconds", 1800.0, RANKS,
-      "torch: seconds a collective may wait (torch.distributed's timeout)", low=0,
+      "torch: seconds a collective may wait (torch.distributed's timeout); also the host "
+      "collectives' wait over torchrun's and JAX's control planes", low=0,
       low_open=True, example="1800"),
     _("MGPU_TORCH_OVERLAP", "flag", True, RANKS,
       "torch: reduce gradient buckets during backward (0: one fused allreduce in `apply`)"),
@@ -315,7 +320,8 @@ SETTINGS: Dict[str, Setting] = _declare(
     _("MGPU_LOCAL_SIZE", "integer", None, INTERNAL, "processes on this host", low=1,
       example="4"),
     _("MGPU_ENVIRONMENT", "text", None, INTERNAL,
-      "the launcher detected (openmpi, mpich, slurm, torchrun, single)", example="openmpi"),
+      "the launcher detected (openmpi, mpich, slurm, torchrun, jax-variables, single)",
+      example="openmpi"),
     _("MGPU_GPU", "text", None, INTERNAL, "the GPU pinned to this process (only with GPUs)",
       example="0"),
     _("MGPU_LOCAL_DEVICE", "integer", None, INTERNAL,

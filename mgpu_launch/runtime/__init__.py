@@ -6,6 +6,9 @@ topology and the host collectives pays for neither. Its modules, lowest first:
     transport       the control plane: the Transport interface every rank talks through
                     (objects, buffers, groups) and the one choice of its implementation
     transport_mpi   the MPI transport (mpi4py), the one module that touches MPI
+    transport_torch the torch.distributed transport (torchrun's store + gloo), imported only
+                    when a torchrun job joins it
+    transport_jax   the jax.distributed transport (JAX's coordination service), likewise
     auth            the per-job key and the authenticated framing of every message mgpu reads
                     from a socket (the stall inspector's channel, run()'s results)
     folders         the check of every folder mgpu writes into and reads back from (run()'s
@@ -35,9 +38,10 @@ The process's place in the job, and the control plane behind it: one state objec
 
 ``init()`` reads the placement the launcher left in the environment (mgpu_launch.config.environments),
 joins the control plane that environment names when there is more than one process
-(``transport.join``: MPI today), and derives the local (same host) and cross
-(same local rank, across hosts) groups the way Horovod does. With one process and no
-launcher it starts nothing: every collective is then a copy, and costs nothing measurable.
+(``transport.join``: MPI, torch.distributed under torchrun, or jax.distributed with JAX's
+variables), and derives the local (same host) and cross (same local rank, across hosts) groups
+the way Horovod does. With one process and no launcher it starts nothing: every collective is
+then a copy, and costs nothing measurable.
 """
 
 import atexit
@@ -100,8 +104,9 @@ def init(process_sets=None) -> None:
     """Join the job: this layer's part of ``mgpu.init()``. Idempotent: a second call does
     nothing.
 
-    Works with no launcher at all (a 1-process job), under ``mgpu-train``, ``mpirun``/``mpiexec``
-    and ``srun``. ``mgpu.init()`` (mgpu_launch.training.bootstrap) calls it first, then sets up
+    Works with no launcher at all (a 1-process job), under ``mgpu-train``, ``mpirun``/``mpiexec``,
+    ``srun``, torchrun and with JAX's variables (docs/torchrun.md). ``mgpu.init()``
+    (mgpu_launch.training.bootstrap) calls it first, then sets up
     the Keras backend's engine and the Keras patches; call that one from a training script.
     On more than one process it starts the stall inspector (mgpu_launch.runtime.stall; knobs
     ``MGPU_STALL_WARNING_S``, ``MGPU_STALL_SHUTDOWN_S``, ``MGPU_STALL_INSPECTOR``).

@@ -7,12 +7,16 @@ timeline's clock offsets. Gradients do not: they travel inside the compiled step
 backend's own communicator (NCCL, gloo, gRPC), which the engines bootstrap over this one.
 
 One implementation per starter, each in a module of its own that alone imports its library:
-MPI today (:mod:`mgpu_launch.runtime.transport_mpi`, mpi4py; the ranks ``mpirun``, ``srun
---mpi=pmix`` and ``mgpu-train -np N`` start). Which one a job uses is decided once, by
+MPI (:mod:`mgpu_launch.runtime.transport_mpi`, mpi4py; the ranks ``mpirun``, ``srun
+--mpi=pmix`` and ``mgpu-train -np N`` start) and torch.distributed
+(:mod:`mgpu_launch.runtime.transport_torch`: torchrun's TCP store and a gloo group; the ranks
+torchrun or a Kubeflow PyTorchJob start) and jax.distributed
+(:mod:`mgpu_launch.runtime.transport_jax`: JAX's coordination service; the processes started
+with JAX's variables). Which one a job uses is decided once, by
 :func:`join`, from the environment that started the ranks
 (:class:`mgpu_launch.config.environments.Placement`: its ``control_plane``, and the
-``coordinator_address`` a store-based plane dials). A new control plane (torchrun's TCP store
-with gloo, JAX's coordination service) is one module here with a subclass of
+``coordinator_address`` a store-based plane dials). A new control plane (a Kubernetes JobSet's,
+say) is one module here with a subclass of
 :class:`Transport` and a ``join(placement)``, one line in :data:`TRANSPORTS`, and the
 environment that names it (docs/architecture.md, "Where a new thing goes"). Shapes: JAX's
 ``ClusterEnv`` (``jax/_src/clusters/cluster.py``) read once by ``State.initialize``; torch's
@@ -39,11 +43,17 @@ REDUCE_OPS = ("sum", "min", "max", "product")
 #: ``join(placement)`` returns the :class:`Transport`; the one list of what is supported
 TRANSPORTS: Dict[str, str] = {
     "mpi": "mgpu_launch.runtime.transport_mpi",
+    "torch.distributed": "mgpu_launch.runtime.transport_torch",
+    "jax.distributed": "mgpu_launch.runtime.transport_jax",
 }
 
 #: how each supported plane's ranks are started, for the refusal of any other
 _STARTED_BY = {"mpi": "mgpu-train -np N, mpirun / mpiexec (Open MPI, MPICH, Intel MPI) or "
-                      "srun --mpi=pmix"}
+                      "srun --mpi=pmix",
+               "torch.distributed": "torchrun, or a Kubeflow PyTorchJob: RANK, WORLD_SIZE, "
+                                    "MASTER_ADDR, MASTER_PORT",
+               "jax.distributed": "JAX's variables: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
+                                  "JAX_PROCESS_ID"}
 
 
 class Transport(abc.ABC):

@@ -11,6 +11,7 @@ PMI = {"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANK
 SLURM = {"SLURM_PROCID": "5", "SLURM_NTASKS": "7", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0",
          "SLURM_NODEID": "2", "SLURM_TASKS_PER_NODE": "2(x2),3"}
 TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+JAX = {"JAX_PROCESS_ID": "2", "JAX_NUM_PROCESSES": "3"}
 
 
 @pytest.mark.parametrize("environ, expected", [
@@ -18,6 +19,9 @@ TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE
     (PMI, (2, 4, 0, 2, "mpich")),
     (SLURM, (5, 7, 0, 3, "slurm")),
     (TORCHRUN, (1, 2, 1, 2, "torchrun")),
+    # JAX's variables name no local rank: every process counts as this host's until
+    # mgpu.init() groups them by host over the control plane
+    (JAX, (2, 3, 2, 3, "jax-variables")),
     ({}, (0, 1, 0, 1, "single")),
 ])
 def test_each_environment(environ, expected):
@@ -106,12 +110,17 @@ MASTER = {"MASTER_ADDR": "node1", "MASTER_PORT": "29500"}
     (OMPI, ("mpi", None)),
     (PMI, ("mpi", None)),
     (SLURM, ("mpi", None)),
-    ({**TORCHRUN, **MASTER}, ("torch", "node1:29500")),
-    ({**TORCHRUN, "MASTER_ADDR": "fd00::1", "MASTER_PORT": "29500"}, ("torch", "[fd00::1]:29500")),
-    (TORCHRUN, ("torch", None)),                                  # no coordinator named
-    ({**TORCHRUN, "MASTER_ADDR": "node1"}, ("torch", None)),      # half of one
-    ({**TORCHRUN, **MASTER, "MASTER_PORT": "port"}, ("torch", None)),
+    ({**TORCHRUN, **MASTER}, ("torch.distributed", "node1:29500")),
+    ({**TORCHRUN, "MASTER_ADDR": "fd00::1", "MASTER_PORT": "29500"}, ("torch.distributed", "[fd00::1]:29500")),
+    (TORCHRUN, ("torch.distributed", None)),                                  # no coordinator named
+    ({**TORCHRUN, "MASTER_ADDR": "node1"}, ("torch.distributed", None)),      # half of one
+    ({**TORCHRUN, **MASTER, "MASTER_PORT": "port"}, ("torch.distributed", None)),
     ({**OMPI, **MASTER}, ("mpi", None)),                          # MPI's ranks need none
+    ({**JAX, "JAX_COORDINATOR_ADDRESS": "node1:1234"}, ("jax.distributed", "node1:1234")),
+    (JAX, ("jax.distributed", None)),
+    ({**JAX, "JAX_COORDINATOR_ADDRESS": "node1"}, ("jax.distributed", None)),
+    ({**TORCHRUN, **MASTER, **JAX, "JAX_PROCESS_ID": "1", "JAX_NUM_PROCESSES": "2"},
+     ("torch.distributed", "node1:29500")),                       # torchrun's come first
     ({}, (None, None)),                                           # one process talks to no one
 ])
 def test_each_environment_names_its_control_plane_and_coordinator(environ, expected):

@@ -167,7 +167,7 @@ def test_a_bad_fusion_size_no_longer_falls_back_to_the_base_engine(monkeypatch):
 def test_the_docs_table_is_the_declarations():
     docs = (ROOT / "docs" / "settings.md").read_text()
     assert docs == settings.markdown(), (
-        "docs/settings.md differs from launcher/_settings_table.py: run "
+        "docs/settings.md differs from mgpu_launch/config/settings_table.py: run "
         "`python -m mgpu_launch.config.settings --markdown > docs/settings.md`")
 
 

@@ -42,7 +42,12 @@ def run_job(tmp_path, **env):
 @requires_mpirun
 @pytest.mark.job
 def test_host_collectives_within_static_sets_equal_numpy_on_the_members(tmp_path):
-    reports = run_job(tmp_path)
+    check_static_sets(run_job(tmp_path))
+
+
+def check_static_sets(reports):
+    """The script's reports of a job with the static sets (MPI's here, torchrun's in
+    test_transport_torch.py): each rank's results, errors included."""
     for rank, report in enumerate(reports):
         mine, other = (EVEN, ODD) if rank % 2 == 0 else (ODD, EVEN)
         assert report["before_init"] == [None, None, None, None]

@@ -1,8 +1,12 @@
 """The control plane's interface and the one choice of it (mgpu_launch.runtime.transport).
 
 The MPI transport's collectives run in every multi-process job test (examples, process sets,
-timeline, stall); here: what the interface forces, and the refusal of a plane not supported.
+timeline, stall), torch.distributed's in tests/runtime/test_transport_torch.py; here: what the
+interface forces, the refusal of a plane not supported, and a torchrun start that cannot
+join.
 """
+
+import socket
 
 import pytest
 
@@ -44,18 +48,56 @@ def test_every_supported_plane_implements_the_whole_interface():
         assert plane in transport.supported()
 
 
-def test_a_plane_not_supported_is_refused_by_name_before_anything_starts(monkeypatch):
+def test_a_plane_not_supported_is_refused_by_name_before_anything_starts():
+    placement = environments.Placement(rank=1, size=2, local_rank=1, local_size=2,
+                                       source="pmix-only", control_plane="pmix",
+                                       coordinator_address="node1:29500")
+    with pytest.raises(RuntimeError) as raised:
+        transport.join(placement)
+    message = str(raised.value)
+    for part in ("pmix-only started this job (2 processes, coordinator node1:29500)",
+                 "'pmix' control plane", "Supported: mpi (mgpu-train -np N, mpirun",
+                 "torch.distributed (torchrun"):
+        assert part in message, message
+
+
+def _torchrun_variables(monkeypatch, **variables):
     for name in [n for env in environments.ENVIRONMENTS for n in env.variable_names()]:
         monkeypatch.delenv(name, raising=False)
-    for name, value in TORCHRUN_RANK_1_OF_2.items():
+    for name in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
         monkeypatch.setenv(name, value)
+
+
+def test_torchrun_variables_without_master_addr_are_refused_at_once(monkeypatch):
+    _torchrun_variables(monkeypatch, **{k: v for k, v in TORCHRUN_RANK_1_OF_2.items()
+                                        if k != "MASTER_ADDR"})
     with pytest.raises(RuntimeError) as raised:
         mgpu.init()
     message = str(raised.value)
-    for part in ("torchrun started this job (2 processes, coordinator node1:29500)",
-                 "'torch' control plane", "Supported: mpi (mgpu-train -np N, mpirun"):
+    for part in ("torchrun started this job (RANK=1, WORLD_SIZE=2)",
+                 "MASTER_ADDR / MASTER_PORT are not both set", "Start the job with torchrun"):
         assert part in message, message
     assert not mgpu.is_initialized() and runtime.state.transport is None
+
+
+def test_a_store_nobody_serves_is_an_error_within_the_join_timeout(monkeypatch):
+    import time
+    with socket.socket() as free:  # a port of this host that no one listens on
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    _torchrun_variables(monkeypatch, **dict(TORCHRUN_RANK_1_OF_2, MASTER_ADDR="127.0.0.1",
+                                            MASTER_PORT=str(port)), MGPU_JOIN_TIMEOUT="3")
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as raised:
+        mgpu.init()
+    assert time.monotonic() - started < 60
+    message = str(raised.value)
+    for part in (f"rank 1 could not reach torch's TCP store at 127.0.0.1:{port} within 3 s",
+                 "raise MGPU_JOIN_TIMEOUT"):
+        assert part in message, message
+    assert not mgpu.is_initialized()
 
 
 def test_one_process_joins_no_transport():

@@ -24,7 +24,7 @@ import keras  # noqa: E402
 
 state_dir, out = sys.argv[1], sys.argv[2]
 fail = int(sys.argv[3]) if len(sys.argv) > 3 else None
-if os.environ.get("MGPU_RESTART_COUNT", "0") != "0":
+if os.environ.get("MGPU_RESTART_COUNT", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) != "0":
     fail = None  # the restart: the fault happened already
 STEPS = 10
 done, started = [], {}

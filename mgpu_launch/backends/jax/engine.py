@@ -32,6 +32,7 @@ from typing import Any, List, Sequence
 import numpy as np
 
 from mgpu_launch.backends import Engine, reduction, shared
+from mgpu_launch.runtime import transport_jax
 from mgpu_launch.runtime.rendezvous import bind_address, job_host_address, rendezvous
 from mgpu_launch.config import settings
 
@@ -60,6 +61,24 @@ def _create_cpu_backend(host: str) -> None:
         module.make_gloo_tcp_collectives = original
 
 
+def _initialize(state, timeout: int, options) -> None:
+    """jax.distributed on a coordinator rank 0 serves, at an address every rank reached."""
+    import jax
+
+    with rendezvous(state, "MGPU_JAX_COORDINATOR", timeout) as address:
+        bound = bind_address(address, job_host_address(state))  # known: no collective
+        try:
+            # Left alone, JAX's coordination service (no authentication) binds [::]:port.
+            jax.distributed.initialize(address, num_processes=state.size,
+                                       process_id=state.rank, initialization_timeout=timeout,
+                                       coordinator_bind_address=bound, **options)
+        except Exception as error:  # jaxlib raises its own XlaRuntimeError types
+            raise RuntimeError(
+                f"rank {state.rank} could not join the JAX coordinator at {address} within "
+                f"{timeout} s ({type(error).__name__}: {error}). Raise "
+                f"MGPU_JAX_INIT_TIMEOUT if the processes start slowly.") from error
+
+
 class JaxEngine(shared.KerasFeeding, shared.KerasTrainStep, shared.HostBroadcast,
                 shared.DenseReduction, shared.EveryRankOnly, shared.GroupCheck,
                 shared.DefaultReductionTiming, shared.NoBuildInfo, Engine):
@@ -68,6 +87,7 @@ class JaxEngine(shared.KerasFeeding, shared.KerasTrainStep, shared.HostBroadcast
     def __init__(self):
         self.size = 1
         self.mesh = self.device = None
+        self._owns_distributed = False  # whether setup() initialized jax.distributed
         self._in_step = False
         self._checked_batches = set()
         #: bytes per fused allreduce buffer; 0: one psum of the list, fused by XLA's combiner
@@ -103,18 +123,10 @@ class JaxEngine(shared.KerasFeeding, shared.KerasTrainStep, shared.HostBroadcast
         else:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
             gloo_host = job_host_address(state)
-        with rendezvous(state, "MGPU_JAX_COORDINATOR", timeout) as address:
-            bound = bind_address(address, job_host_address(state))  # known: no collective
-            try:
-                # Left alone, JAX's coordination service (no authentication) binds [::]:port.
-                jax.distributed.initialize(address, num_processes=state.size,
-                                           process_id=state.rank, initialization_timeout=timeout,
-                                           coordinator_bind_address=bound, **options)
-            except Exception as error:  # jaxlib raises its own XlaRuntimeError types
-                raise RuntimeError(
-                    f"rank {state.rank} could not join the JAX coordinator at {address} within "
-                    f"{timeout} s ({type(error).__name__}: {error}). Raise "
-                    f"MGPU_JAX_INIT_TIMEOUT if the processes start slowly.") from error
+        # started with JAX's variables, the transport has initialized jax.distributed already
+        self._owns_distributed = not transport_jax.owns_jax_distributed(state.transport)
+        if self._owns_distributed:
+            _initialize(state, timeout, options)
         if gloo_host is not None:
             _create_cpu_backend(gloo_host)
         if len(jax.local_devices()) != 1:
@@ -147,7 +159,8 @@ class JaxEngine(shared.KerasFeeding, shared.KerasTrainStep, shared.HostBroadcast
     def shutdown(self) -> None:
         if self.mesh is not None:
             import jax
-            jax.distributed.shutdown()
+            if self._owns_distributed:  # else the transport's, which shutdown() ends after
+                jax.distributed.shutdown()
             self.mesh = None
 
     # -- inside the step ------------------------------------------------------------------------

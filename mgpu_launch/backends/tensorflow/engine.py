@@ -103,6 +103,12 @@ class TensorFlowEngine(shared.KerasFeeding, shared.KerasTrainStep, shared.HostBr
         from tensorflow.core.protobuf import tensorflow_server_pb2
         from tensorflow.python.eager import context
 
+        if state.transport.name != "mpi":
+            raise RuntimeError(
+                f"{state.source} started this TensorFlow job (its ranks meet over "
+                f"{state.transport.name}); on TensorFlow mgpu-launch runs over MPI only. Start "
+                f"it with mgpu-train -np N (or mpirun / srun --mpi=pmix), or choose "
+                f"KERAS_BACKEND=torch (torchrun) or jax (docs/torchrun.md).")
         self.size, self.control_plane = state.size, state.transport
         if self.transport == "mpi":
             return

@@ -12,7 +12,10 @@ in the same order. ``apply`` then only waits. A parameter without a gradient on 
 Set-up (``mgpu.init()``): rank 0 picks a TCP address, MPI shares it (after every rank proved it
 can connect), rank 0 serves torch's TCPStore there, bound to that address only, and
 ``torch.distributed.init_process_group`` starts NCCL on GPU (the launcher has pinned one GPU
-per process with CUDA_VISIBLE_DEVICES) or gloo on CPU.
+per process with CUDA_VISIBLE_DEVICES) or gloo on CPU. Under torchrun (the
+``torch.distributed`` control plane, mgpu_launch.runtime.transport_torch) the transport has
+started torch.distributed already, on torchrun's store: the engine adopts that default group
+(gloo, with NCCL for CUDA tensors) and leaves it to the transport to end.
 
 Process sets (``mgpu_launch.runtime.process_sets``): every set registered gets a
 ``torch.distributed.new_group`` of its ranks, on every rank in registration order (torch
@@ -34,7 +37,7 @@ from typing import Any, List, Optional, Sequence
 
 from mgpu_launch.backends import Engine, reduction, shared
 from mgpu_launch.backends.torch import compiled as compiled_step
-from mgpu_launch.runtime import process_sets
+from mgpu_launch.runtime import process_sets, transport_torch
 from mgpu_launch.runtime.rendezvous import (host_and_port, interface_of, job_host_address,
                                             listen, rendezvous)
 from mgpu_launch.config import settings
@@ -80,13 +83,15 @@ class TorchEngine(shared.KerasTrainStep, shared.HostBroadcast, shared.DenseReduc
         self.fusion_bytes = int(settings.number("MGPU_FUSION_MB", fallback=25.0) * 2 ** 20)
         self._watched: Optional["GradientBuckets"] = None
         self._groups = {}  # process set id -> its torch.distributed group (None: not a member)
+        self._owns_group = False  # whether setup() started torch.distributed (MPI jobs)
 
     # -- set-up -------------------------------------------------------------------------------
     def setup(self, state) -> None:
         import torch
         import torch.distributed as dist
 
-        if dist.is_initialized():
+        adopted = transport_torch.owns_torch_distributed(state.transport)
+        if dist.is_initialized() and not adopted:
             raise RuntimeError(
                 "torch.distributed is already initialized in this process; mgpu.init() sets it "
                 "up itself (NCCL on GPU, gloo on CPU). Remove the init_process_group call.")
@@ -105,14 +110,15 @@ class TorchEngine(shared.KerasTrainStep, shared.HostBroadcast, shared.DenseReduc
             options = {"backend": "gloo"}
             _bind_gloo(job_host_address(state))
         ours = sys.excepthook
-        with rendezvous(state, "MGPU_TORCH_ADDRESS") as address:
-            store = _store(dist, state, address, timeout)
-        dist.init_process_group(store=store, rank=state.rank, world_size=state.size,
-                                timeout=timeout, **options)
+        if not adopted:  # an MPI job; under torchrun the transport's group is the job's
+            with rendezvous(state, "MGPU_TORCH_ADDRESS") as address:
+                store = _store(dist, state, address, timeout)
+            dist.init_process_group(store=store, rank=state.rank, world_size=state.size,
+                                    timeout=timeout, **options)
         # torch wraps sys.excepthook to capture stderr while the old hook runs; ours aborts
         # the MPI job inside that hook, so the captured traceback would never be printed.
         sys.excepthook = ours
-        self.initialized = True
+        self.initialized, self._owns_group = True, not adopted
         process_sets.add_listener(self._set_added, self._set_removed)
 
     def _set_added(self, group) -> None:
@@ -193,7 +199,7 @@ class TorchEngine(shared.KerasTrainStep, shared.HostBroadcast, shared.DenseReduc
             graphs = sys.modules.get("mgpu_launch.backends.torch.graph")
             if graphs is not None:
                 graphs.release()  # else destroy_process_group can hang (see release())
-            if dist.is_initialized():
+            if dist.is_initialized() and self._owns_group:  # else the transport's to end
                 dist.destroy_process_group()
             self.initialized = False
 
