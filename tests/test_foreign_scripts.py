@@ -174,20 +174,6 @@ def torchrun_command():
             [sys.executable, "-m", "torch.distributed.run"])
 
 
-def test_an_mgpu_script_under_torchrun_is_refused_clearly(tmp_path):
-    """Not yet supported (it needs a transport on torch's TCPStore, issue 59 item 3): the
-    refusal names the launchers that work, and the job ends."""
-    env = {key: value for key, value in job_env(MGPU_ENGINE="none").items()
-           if not key.startswith(("OMPI_", "PMIX_"))}
-    result = subprocess.run([*torchrun_command(), "--standalone", "--nproc-per-node", "2", "-m",
-                             "mgpu_launcher", os.path.join(SCRIPTS, "report.py"), str(tmp_path)],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0, explain(result)
-    assert "torchrun says this job has 2 processes but MPI's COMM_WORLD has 1" in result.stderr, \
-        explain(result)
-    assert "mgpu-train -np N, mpirun, or srun --mpi=pmix" in result.stderr
-
-
 def test_a_torchrun_style_start_without_master_addr_fails_at_once(tmp_path):
     """A rank of an srun step without PMIx: no MPI to agree over, so no MASTER_ADDR; rank 0
     says why, and torch's env:// set-up fails at once instead of waiting for a store."""
