@@ -10,6 +10,8 @@ import pytest
 keras = pytest.importorskip("keras")
 pytestmark = pytest.mark.backend
 
+import numpy as np  # noqa: E402
+
 import mgpu_launch as mgpu  # noqa: E402
 import mgpu_launch.keras as hvd  # noqa: E402
 
@@ -19,13 +21,16 @@ CHANGED = dict(compression=mgpu.Compression.fp16, op=mgpu.Average, backward_pass
                average_aggregated_gradients=False, gradient_predivide_factor=2.0,
                sparse_as_dense=True, cuda_graph=True, iterations_count="passes",
                process_set=mgpu.ProcessSet([0]), scale_local_gradients=False)
+#: options that cannot join CHANGED: sharding the optimizer's state refuses a process set, so
+#: it is saved and loaded in a case of its own (test_a_sharded_optimizer_loads_sharded)
+ALONE = dict(shard_optimizer_state=True)
 
 
 def test_the_changed_options_cover_every_option():
     from mgpu_launch.training.optimizer_options import DistributedOptions
     defaults = DistributedOptions()
     names = {field.name for field in dataclasses.fields(DistributedOptions)}
-    assert set(CHANGED) == names
+    assert set(CHANGED) | set(ALONE) == names and not set(CHANGED) & set(ALONE)
     assert [name for name, value in CHANGED.items() if getattr(defaults, name) == value] == [
         "op"]
 
@@ -60,3 +65,16 @@ def test_hvd_load_model_keeps_every_option_but_the_compression_it_is_given(tmp_p
     loaded = hvd.load_model(path, compression=hvd.Compression.bf16).optimizer
     assert isinstance(loaded, mgpu.DistributedOptimizer) and loaded.name == "dist"
     assert _options(loaded) == dict(CHANGED, compression="bf16", process_set=[0])
+
+
+def test_a_sharded_optimizer_loads_sharded(tmp_path):
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=mgpu.DistributedOptimizer(keras.optimizers.Adam(0.1), name="dist",
+                                                      **ALONE), loss="mse")
+    model.fit(np.ones((4, 3), "float32"), np.ones((4, 2), "float32"), verbose=0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    for loaded in (mgpu.load_model(path).optimizer, hvd.load_model(path).optimizer):
+        assert isinstance(loaded, mgpu.DistributedOptimizer) and loaded.name == "dist"
+        assert {name: getattr(loaded, name) for name in ALONE} == ALONE
+
