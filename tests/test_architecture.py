@@ -871,3 +871,31 @@ def test_the_mpi_check_fails_on_a_planted_use():
     assert mpi_offences(sources) == ["mgpu_launch.runtime.planted imports mpi4py",
                                      "mgpu_launch.runtime.planted line 3: .comm",
                                      "mgpu_launcher.planted imports mpi4py"]
+
+
+# -- the record: docs/architecture.md's module tree names every module -------------------------
+def tree_omissions(block: str) -> List[str]:
+    """Every module of both packages (``__init__``/``__main__`` aside) that `block` does not
+    name, by file name or by its name as a word (``jobs`` in a list of the bench's modules)."""
+    import re
+    missing = []
+    for folder in SOURCES:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path.name in ("__init__.py", "__main__.py"):
+                continue
+            if path.name not in block and not re.search(rf"\b{re.escape(path.stem)}\b", block):
+                missing.append(str(path.relative_to(ROOT)))
+    return missing
+
+
+def test_the_module_tree_names_every_module():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = text.split("## The module tree", 1)[1].split("```", 2)[1]
+    assert not tree_omissions(block), (
+        "docs/architecture.md's module tree does not name these modules (add a line with what "
+        "each holds):\n" + "\n".join(tree_omissions(block)))
+
+
+def test_the_tree_check_fails_on_a_module_left_out():
+    assert "mgpu_launch/training/sharding.py" in tree_omissions("optimizer.py  data.py")
+
