@@ -14,7 +14,8 @@ import pytest
 
 from conftest import BACKEND
 
-pytestmark = pytest.mark.skipif(BACKEND != "torch", reason="the torch backend's compiled step")
+pytestmark = [pytest.mark.backend,
+              pytest.mark.skipif(BACKEND != "torch", reason="the torch backend's compiled step")]
 
 STEPS = 5  #: updates per fit (batch 8)
 #: compiled vs eager: the compiler fuses and reorders float32 sums, so the weights differ by
