@@ -53,6 +53,7 @@ ranks, and not over values a user set):
     MASTER_ADDR, MASTER_PORT         the coordinator again, for init_process_group's env://
     JAX_COORDINATOR_BIND_ADDRESS     where JAX's coordinator binds: its own address, not [::]
     JAX_LOCAL_DEVICE_IDS             (JAX ranks with GPUs) = MGPU_LOCAL_DEVICE, its one GPU
+    GLOO_SOCKET_IFNAME               (several hosts) the interface the other hosts can dial
     MGPU_COORDINATOR                 (standalone, one host) 127.0.0.1:PORT, a port mgpu-train
                                      holds while it runs; elsewhere the ranks agree over MPI
 

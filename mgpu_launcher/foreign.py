@@ -68,6 +68,8 @@ WORLD_SIZE, RANK = "WORLD_SIZE", "RANK"
 LOCAL_RANK, LOCAL_WORLD_SIZE = "LOCAL_RANK", "LOCAL_WORLD_SIZE"
 GROUP_RANK, GROUP_WORLD_SIZE = "GROUP_RANK", "GROUP_WORLD_SIZE"
 MASTER_ADDR, MASTER_PORT = "MASTER_ADDR", "MASTER_PORT"
+#: the interface gloo binds (a DDP script's CPU collectives), set for a job on several hosts
+GLOO_INTERFACE = "GLOO_SOCKET_IFNAME"
 #: where JAX's coordinator binds (jax.distributed.initialize reads it when given no bind address)
 JAX_BIND = "JAX_COORDINATOR_BIND_ADDRESS"
 #: the GPUs a JAX process takes (jax.distributed.initialize reads it when given none)
@@ -254,6 +256,9 @@ def export(placement: environments.Placement, environ: MutableMapping[str, str] 
                     f"A script that needs them: start it with srun --mpi=pmix, mpirun or "
                     f"mgpu-train -np N, or set {COORDINATOR_VARIABLE}=HOST:PORT of rank 0's host")
     exported = torchrun_variables(placement, None if master_given else address, group)
+    interface = gloo_interface(address, group, environ)
+    if interface:
+        exported[GLOO_INTERFACE] = interface
     if address is not None and not keras_given:
         exported.update(keras_variables(placement, address, names))
         bind = jax_bind_address(address, environ)
@@ -262,6 +267,22 @@ def export(placement: environments.Placement, environ: MutableMapping[str, str] 
     environ.update(exported)
     _exported.update(exported)
     return exported
+
+
+def gloo_interface(address: Optional[str], group, environ: Mapping[str, str]) -> Optional[str]:
+    """The interface gloo should bind in a job on several hosts (``GLOO_SOCKET_IFNAME``), or
+    None: on one host, where it is set, or where no interface holds the address found.
+
+    gloo binds this host's own name resolved, which Debian and Ubuntu map to 127.0.1.1: the
+    other hosts then dial a loopback address (a DDP script's ``init_process_group("gloo")``
+    fails to connect its mesh). The interface holding the address this host reaches the
+    coordinator from is the one the others can dial, as mgpu's own torch engine chooses.
+    """
+    if address is None or group is None or group[1] < 2 or GLOO_INTERFACE in environ:
+        return None
+    from mgpu_launch.runtime import rendezvous
+    host = address.rpartition(":")[0].strip("[]")
+    return rendezvous.interface_of(rendezvous.host_address([host]))
 
 
 def without_own(environ: Mapping[str, str]) -> Dict[str, str]:
