@@ -25,7 +25,7 @@ SLURM_SH = os.path.join(ROOT, "scripts", "slurm.sh")
 SBATCH = os.path.join(ROOT, "examples", "cluster", "slurm_train.sbatch")
 REPORT = os.path.join(SCRIPTS, "report.py")
 TRAIN = os.path.join(SCRIPTS, "train.py")
-DETECT = ("import json, os; from mgpu_launcher import environments as e; p = e.detect(); "
+DETECT = ("import json, os; from mgpu_launch.config import environments as e; p = e.detect(); "
           "print(json.dumps([p.rank, p.size, p.local_rank, p.local_size, p.source, "
           "os.environ.get('PMI_RANK')]))")
 
