@@ -282,7 +282,7 @@ def gloo_interface(address: Optional[str], group, environ: Mapping[str, str]) ->
         return None
     from mgpu_launch.runtime import rendezvous
     host = address.rpartition(":")[0].strip("[]")
-    return rendezvous.interface_of(rendezvous.host_address([host]))
+    return rendezvous.interface_toward(host)
 
 
 def without_own(environ: Mapping[str, str]) -> Dict[str, str]:

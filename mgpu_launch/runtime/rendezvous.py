@@ -125,6 +125,13 @@ def interface_of(address: str) -> Optional[str]:
     return None
 
 
+def interface_toward(host: str) -> Optional[str]:
+    """The interface holding the address this host reaches `host` from (see
+    :func:`host_address`), or None: what gloo must bind (``GLOO_SOCKET_IFNAME``) where this
+    host's own name resolves to 127.0.1.1, which the other hosts cannot dial."""
+    return interface_of(host_address([host]))
+
+
 def bind_host(dial_host: str, job_host: Optional[str] = None) -> str:
     """The address a listener of this job binds on rank 0's host: ``MGPU_BIND_ADDRESS``, else
     the address `dial_host` (what the other ranks dial) stands for here; never every interface

@@ -271,7 +271,7 @@ def join(placement) -> TorchTransport:
     if "GLOO_SOCKET_IFNAME" not in os.environ:
         # gloo binds this host's own name resolved, 127.0.1.1 on Debian: take the interface
         # that reaches the coordinator instead (on one host, loopback's)
-        interface = rendezvous.interface_of(rendezvous.host_address([host]))
+        interface = rendezvous.interface_toward(host)
         if interface:
             os.environ["GLOO_SOCKET_IFNAME"] = interface
     try:
