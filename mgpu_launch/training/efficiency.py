@@ -47,8 +47,10 @@ same slices the timeline file holds (so the two agree):
   one that overlaps the two (torch's buckets, JAX on GPU) hides part, and the share is then an
   upper bound. Not measured (the line says why) in a fit of fewer than :data:`TIMED_STEPS`
   analysed steps, with the gradients reduced within a process set, or when the timing failed.
-* **the rest**: callbacks (every rank's, the probes' phases), validation, and what no phase
-  covers (Keras's loop).
+  The input restarting at an epoch boundary (the ``next`` that finds the epoch's end, the
+  next epoch's first batch) is not: it is a cost of each epoch, counted with the epoch ends.
+* **the rest**: callbacks (every rank's, the probes' phases), validation and epoch ends
+  (with the input's restart there), and what no phase covers (Keras's loop).
 
 What is left, the step's compute, is not lost. The first step of each fit (tracing and
 compilation) is left out.
@@ -96,8 +98,17 @@ def _per_step(slices: Sequence[tuple]) -> Dict[int, Dict[str, float]]:
         if name in _EPOCH_PHASES and not parent:
             record["epoch"] += duration
             record["epochs"] += name == "on_epoch_end"
-    for record in steps.values():
+    for step, record in steps.items():
         record["ready"] = record.get("enter", 0.0) + record["in_step_input"]
+        # The input restarting at an epoch boundary: the iterator's `next` that finds the
+        # epoch's end, and the next epoch's first batch. A cost of each epoch, whatever the
+        # prefetch: counted with the epoch ends ("other"), not as input wait.
+        record["restart"] = record["in_step_input"] if steps.get(step - 1, {}).get("epochs") \
+            else 0.0
+        if record["epochs"]:
+            record["other"] += record["input"]
+            record["epoch"] += record["input"]
+            record["input"] = 0.0
     return steps
 
 
@@ -140,14 +151,16 @@ def analyse(ranks: Sequence[Sequence[tuple]], batch_size: Optional[int],
         window = steps[closing]["begin"] - steps[analysed[0]]["begin"]
         total = {name: sum(steps[k][name] for k in analysed)
                  for name in ("input", "in_step_input", "callbacks", "other", "train", "epoch",
-                              "epochs")}
+                              "epochs", "restart")}
         cycles = [steps[b]["begin"] - steps[a]["begin"] for a, b in zip(common[1:], common[2:])]
         total.update(window=window, wait=0.0, waited=0.0, lateness=0.0, comm=0.0,
                      cycle=statistics.median(cycles))
         # what the phases cover; what they do not (Keras's loop between them) is "other"
         total["other"] += max(0.0, window - total["input"] - total["callbacks"] -
                               total["other"] - total["train"])
-        total["input"] += total["in_step_input"]
+        total["input"] += total["in_step_input"] - total["restart"]
+        total["other"] += total["restart"]
+        total["epoch"] += total["restart"]
         totals.append(total)
     for k in analysed:
         ready = [steps[k]["ready"] for steps in per_rank]
@@ -155,14 +168,21 @@ def analyse(ranks: Sequence[Sequence[tuple]], batch_size: Optional[int],
         last = per_rank[ready.index(latest)]
         # What the last rank was itself waiting for: its batch (then the others' wait is the
         # input's cost too, e.g. every rank's loader is slow and rank 1's batch came last).
-        its_input = last[k]["in_step_input"] + last.get(k - 1, {}).get("input", 0.0)
+        its_input = (last[k]["in_step_input"] - last[k]["restart"]
+                     + last.get(k - 1, {}).get("input", 0.0))
         for rank, steps in enumerate(per_rank):
             budget = steps[k]["train"] - steps[k]["in_step_input"]
             waited = min(max(0.0, latest - ready[rank]), max(0.0, budget))
             totals[rank]["waited"] += waited
             # the reduction once every rank arrived: at most what is left of the step
             totals[rank]["comm"] += min(reduction, max(0.0, budget - waited))
-            totals[rank]["input" if its_input >= 0.5 * waited else "wait"] += waited
+            if its_input >= 0.5 * waited:
+                totals[rank]["input"] += waited
+            elif its_input + last[k]["restart"] >= 0.5 * waited:  # its input restarting
+                totals[rank]["other"] += waited
+                totals[rank]["epoch"] += waited
+            else:
+                totals[rank]["wait"] += waited
             others = ready[:rank] + ready[rank + 1:]
             if others:
                 totals[rank]["lateness"] += ready[rank] - statistics.median(others)
