@@ -345,10 +345,10 @@ def hint_for(error: BaseException, environ: Mapping[str, str] = os.environ) -> O
                 f"(LOCAL_RANK={environ.get(LOCAL_RANK)}) needs mgpu-train --no-pin, which "
                 f"leaves every GPU visible, as torchrun does")
     if "Gloo" in text and "remote=[127." in text:
-        return (f"JAX's CPU collectives (gloo) bind the address this host's own name resolves "
-                f"to, and another host's resolved to a loopback address, which this one "
-                f"cannot dial: on every host, map its name (hostname) to its network address "
-                f"(/etc/hosts or DNS) instead of 127.0.1.1")
+        return ("JAX's CPU collectives (gloo) bind the address the host's own name resolves "
+                "to, and another host's resolved to a loopback address, which this one "
+                "cannot dial: on every host, map its name (hostname) to its network address "
+                "(/etc/hosts or DNS) instead of 127.0.1.1")
     return None
 
 
