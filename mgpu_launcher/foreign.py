@@ -318,9 +318,12 @@ def export_jax_device(environ: MutableMapping[str, str] = os.environ) -> Optiona
 def hint_for(error: BaseException, environ: Mapping[str, str] = os.environ) -> Optional[str]:
     """What to change when the program failed on something these variables decide, else None.
 
-    Two failures have a cause the traceback does not show: a ``keras.distribution.initialize()``
+    Three failures have a cause the traceback does not show: a ``keras.distribution.initialize()``
     asked for another process count than the job's (Keras compares it with the addresses
-    exported here), and a device ``cuda:LOCAL_RANK`` that pinning hid.
+    exported here), a device ``cuda:LOCAL_RANK`` that pinning hid, and JAX's CPU collectives
+    (gloo) dialling another host's loopback address: they bind the address the host's own name
+    resolves to, 127.0.1.1 where /etc/hosts maps it as Debian and Ubuntu do, and neither JAX
+    nor gloo reads a variable that changes it (mgpu's own JAX engine passes the job's address).
 
     Example:
         >>> hint_for(RuntimeError("CUDA error: invalid device ordinal"), {"MGPU_GPU": "1",
@@ -341,6 +344,11 @@ def hint_for(error: BaseException, environ: Mapping[str, str] = os.environ) -> O
                 f"(CUDA_VISIBLE_DEVICES={gpu}); a script that picks cuda:LOCAL_RANK "
                 f"(LOCAL_RANK={environ.get(LOCAL_RANK)}) needs mgpu-train --no-pin, which "
                 f"leaves every GPU visible, as torchrun does")
+    if "Gloo" in text and "remote=[127." in text:
+        return ("JAX's CPU collectives (gloo) bind the address the host's own name resolves "
+                "to, and another host's resolved to a loopback address, which this one "
+                "cannot dial: on every host, map its name (hostname) to its network address "
+                "(/etc/hosts or DNS) instead of 127.0.1.1")
     return None
 
 

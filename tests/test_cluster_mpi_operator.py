@@ -21,6 +21,7 @@ import collections
 import json
 import os
 import re
+import subprocess
 
 import pytest
 
@@ -112,4 +113,28 @@ def test_an_elastic_mpijob_goes_on_without_a_deleted_worker_pod_and_grows_back(
         used = elastickit.used_samples(here, epoch)
         twice = [i for i, n in collections.Counter(used).items() if n > 1]
         assert not twice and len(used) > samples - 4 * BATCH, (epoch, twice, len(used))
+    assert not pods.wait_until_empty(15), "processes left behind"
+
+
+def test_the_keras_distribution_guide_and_the_ddp_tutorial_in_the_mpijob(mpi_operator_cluster):
+    """Scripts written for Keras's distribution API (JAX) and for torchrun, unchanged, as the
+    MPIJob's launcher command ``mgpu-train -np 4`` (docs/starting-processes.md): 2 ranks in
+    each worker pod agree on the coordinator over MPI, worker-0's address as worker-1 dials
+    it; the checks of the one-host tests, for 4 processes."""
+    from test_foreign_scripts import DDP, GUIDE, JAX, check_ddp, check_guide
+
+    pods = mpi_operator_cluster
+    here, there = pods.volume_folder("guide")
+    result = pods.mgpu_train("-np", "4", GUIDE, there, timeout=400, **JAX)
+    assert result.returncode == 0, explain(result)
+    reports = check_guide(here, result, size=4)
+    coordinator = reports[0]["addresses"].split(",")[0].rsplit(":", 1)[0]
+    dialled = subprocess.run(pods.command("worker-1", "getent", "ahostsv4",
+                                          pods.fqdn("worker-0")),
+                             capture_output=True, text=True, timeout=30)
+    assert coordinator == dialled.stdout.split()[0], (coordinator, dialled.stdout)
+    here, there = pods.volume_folder("ddp")
+    result = pods.mgpu_train("-np", "4", DDP, there, "5", "1", timeout=400)
+    assert result.returncode == 0, explain(result)
+    check_ddp(here, result, epochs=5, size=4)  # half the steps an epoch of 2 ranks
     assert not pods.wait_until_empty(15), "processes left behind"

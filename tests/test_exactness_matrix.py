@@ -4,7 +4,9 @@ and model kind people train, N processes x batch b give the weights of 1 process
 One `mgpu-train -np 2` job runs every case in sequence (scripts/exactness.py: each case builds
 a fresh model, trains STEPS updates through a DistributedOptimizer and, on one rank, once more
 with the plain optimizer on the global batch as the reference); the tests compare the files.
-A second, smaller job runs one case at np=4.
+A second, smaller job runs one case at np=4. On the torch backend one more start runs every
+case, sharded state included, under real ``torchrun --nproc-per-node 2`` (no MPI: the
+torch.distributed control plane).
 
 Tolerances. Float32 cases: rtol 1e-5 (atol 1e-6 for weights that end near zero), as in
 tests/test_training.py: the only difference between the runs is the order of float32 sums.
@@ -29,7 +31,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import BACKEND, SCRIPTS, launch_ok, requires_mpirun
+from conftest import BACKEND, SCRIPTS, assert_ok, launch_ok, requires_mpirun, torchrun
 
 pytestmark = [requires_mpirun, pytest.mark.backend, pytest.mark.usefixtures("backend")]
 
@@ -324,3 +326,40 @@ def test_sharded_state_at_four_processes(tmp_path):
     run_job(tmp_path, cases, 4, EXACTNESS_SHARD="1")
     for case in cases:
         check_sharded(tmp_path, case, 4)
+
+
+# -- the matrix without MPI: real torchrun (issue 59) ----------------------------------------------
+#: every case above, float32, mixed precision, keras-hub and sharded state, over the control
+#: plane torchrun's ranks meet on (torch.distributed: its TCP store and a gloo group). Torch
+#: backend only: TensorFlow under torchrun is refused (tests/runtime/test_transport_torch.py),
+#: and the JAX backend's run under torchrun is tests/test_training.py's. Process sets and
+#: elastic state have tests of their own over this transport (test_transport_torch.py).
+under_torchrun = pytest.mark.skipif(BACKEND != "torch", reason="torchrun starts mgpu scripts on "
+                                    "the torch backend (and JAX: test_training.py); "
+                                    "TensorFlow runs over MPI only")
+
+
+@pytest.fixture(scope="module")
+def torchrun_job(tmp_path_factory):
+    """``torchrun --standalone --nproc-per-node 2 exactness.py``: one start for every case, each
+    also sharded (EXACTNESS_SHARD=1); measured ~60 s on the 2-core CPU box."""
+    directory = tmp_path_factory.mktemp("exactness_torchrun")
+    runnable = [case for case in CASES + SHARD_CASES if not getattr(case, "marks", ())]
+    cases = list(dict.fromkeys(names(runnable)))
+    assert_ok(torchrun(2, WORKER, json.dumps(cases), str(directory), timeout=1200,
+                       **QUIET, EXACTNESS_SHARD="1"))
+    return directory
+
+
+@under_torchrun
+@pytest.mark.job
+@pytest.mark.parametrize("case", CASES)
+def test_two_torchrun_ranks_match_one_process(torchrun_job, case):
+    check_case(torchrun_job, names([case])[0], 2)
+
+
+@under_torchrun
+@pytest.mark.job
+@pytest.mark.parametrize("case", SHARD_CASES)
+def test_sharded_state_under_torchrun_matches_unsharded(torchrun_job, case):
+    check_sharded(torchrun_job, case, 2)

@@ -45,17 +45,20 @@ def mpirun_worker_mode(*argv, timeout, **extra):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def check_guide(out, result):
-    reports = [json.loads((out / f"rank.{rank}.json").read_text()) for rank in range(2)]
+def check_guide(out, result, size=2):
+    """The guide's reports of a job of `size` processes (also the cluster and Slurm tests')."""
+    reports = [json.loads((out / f"rank.{rank}.json").read_text()) for rank in range(size)]
     for rank, report in enumerate(reports):
-        assert (report["process_index"], report["process_count"]) == (rank, 2), explain(result)
-        assert report["devices"] == 2  # DataParallel's mesh spans both processes
+        assert (report["process_index"], report["process_count"]) == (rank, size), \
+            explain(result)
+        assert report["devices"] == size  # DataParallel's mesh spans every process
         assert report["loss"][-1] < 0.6 * report["loss"][0], report["loss"]
-    assert reports[0]["loss"] == reports[1]["loss"]  # one global loss
-    weights = [np.load(out / f"rank.{rank}.npz") for rank in range(2)]
+        assert report["loss"] == reports[0]["loss"]  # one global loss
+    weights = [np.load(out / f"rank.{rank}.npz") for rank in range(size)]
     assert len(weights[0].files) == 4
-    for name in weights[0].files:
-        np.testing.assert_array_equal(weights[0][name], weights[1][name])
+    for other in weights[1:]:
+        for name in weights[0].files:
+            np.testing.assert_array_equal(weights[0][name], other[name])
     return reports
 
 
@@ -120,19 +123,22 @@ def test_initialize_with_another_process_count_fails_at_once_on_every_rank(tmp_p
         assert "Traceback" not in log or "num_processes is 3" in log, log
 
 
-def check_ddp(out, result, epochs=3):
-    reports = [json.loads((out / f"rank.{rank}.json").read_text()) for rank in range(2)]
+def check_ddp(out, result, epochs=3, size=2, per_host=2):
+    """The tutorial's reports of a job of `size` processes, `per_host` on each host in rank
+    order (also the cluster and Slurm tests')."""
+    reports = [json.loads((out / f"rank.{rank}.json").read_text()) for rank in range(size)]
     for rank, report in enumerate(reports):
         env = report["env"]
-        assert (report["rank"], report["size"]) == (rank, 2), explain(result)
-        assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"],
-                env["LOCAL_WORLD_SIZE"]) == (str(rank), "2", str(rank), "2")
-        assert env["GROUP_RANK"] == "0" and env["MASTER_ADDR"] and env["MASTER_PORT"]
+        assert (report["rank"], report["size"]) == (rank, size), explain(result)
+        assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"],
+                env["GROUP_RANK"]) == (str(rank), str(size), str(rank % per_host),
+                                       str(per_host), str(rank // per_host)), env
+        assert env["MASTER_ADDR"] and env["MASTER_PORT"]
         assert len(report["losses"]) == epochs - report["epochs_run"]
         assert report["losses"][-1] < 0.8 * report["losses"][0], report["losses"]
-    assert reports[0]["weights"] == reports[1]["weights"]  # DDP kept them equal
+        assert report["weights"] == reports[0]["weights"]  # DDP kept them equal
     seen = [set(report["seen"]) for report in reports]
-    assert not seen[0] & seen[1] and len(seen[0] | seen[1]) == 256  # DistributedSampler
+    assert sum(map(len, seen)) == len(set().union(*seen)) == 256  # DistributedSampler: disjoint
     return reports
 
 

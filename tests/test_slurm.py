@@ -110,3 +110,23 @@ def test_the_example_batch_script_with_mpirun_inside_the_allocation(slurm, tmp_p
         assert report["env"]["MGPU_ENVIRONMENT"] == "openmpi"  # not the batch step's SLURM_*
         assert report["average"] == 1.5
     assert "[0] rank 0 done" in output.splitlines(), output  # rank 0's stdout, tagged
+
+
+def test_srun_pmix_runs_the_keras_distribution_guide_and_the_ddp_tutorial(slurm, tmp_path):
+    """Scripts written for Keras's distribution API (JAX) and for torchrun, unchanged, as
+    ``srun --mpi=pmix mgpu-train`` tasks (docs/starting-processes.md): the tasks agree on the
+    coordinator over MPI (PMIx) before each script runs."""
+    from test_foreign_scripts import DDP, GUIDE, JAX, check_ddp, check_guide
+
+    guide, ddp = tmp_path / "guide", tmp_path / "ddp"
+    guide.mkdir()
+    ddp.mkdir()
+    result = run(slurm, "srun", "-n", "2", "--mpi=pmix", "mgpu-train", GUIDE, str(guide),
+                 timeout=300, **JAX)
+    assert result.returncode == 0, explain(result)
+    reports = check_guide(guide, result)
+    assert reports[0]["addresses"].count(",") == 1, reports[0]  # one address per task
+    result = run(slurm, "srun", "-n", "2", "--mpi=pmix", "mgpu-train", DDP, str(ddp), "2", "1",
+                 timeout=300)
+    assert result.returncode == 0, explain(result)
+    check_ddp(ddp, result, epochs=2)

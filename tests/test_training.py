@@ -166,22 +166,33 @@ def test_different_seeds_start_from_rank_0(two_processes, reference):
     assert_same(weights[0], reference["sgd"])
 
 
+#: the starters without MPI each backend runs under, and the control plane its ranks then meet on
+#: (torch under JAX's variables: not supported, docs/torchrun.md)
+WITHOUT_MPI = {"torch": [("torchrun", "torch.distributed")],
+               "jax": [("jax", "jax.distributed"), ("torchrun", "torch.distributed")]}
+
+
 @pytest.mark.skipif(BACKEND == "tensorflow", reason="TensorFlow runs over MPI only")
-def test_started_without_mpi_two_processes_equal_one_process(tmp_path_factory, reference):
-    # The same script with no mgpu-train and no MPI. torch: started by real torchrun, the ranks
-    # meet at torchrun's TCP store and reduce over the gloo group the control plane started
-    # (transport_torch). JAX: two plain processes with JAX's variables meet at JAX's
+@pytest.mark.parametrize("starter, plane", WITHOUT_MPI.get(BACKEND, []))
+def test_started_without_mpi_two_processes_equal_one_process(tmp_path_factory, reference,
+                                                             starter, plane):
+    # The same script with no mgpu-train and no MPI. torchrun: the ranks meet at torchrun's TCP
+    # store and talk over the gloo group the control plane started (transport_torch); the torch
+    # engine reduces over that group, the JAX engine starts jax.distributed on a port rank 0
+    # picks and shares over it (not MASTER_PORT: torchrun's store holds that) and reduces with
+    # psum over its gloo. jax: two plain processes with JAX's variables meet at JAX's
     # coordination service (transport_jax), the engine's psum over its gloo.
     runs = train_each(tmp_path_factory, {
         "global_batch": {}, "adam": {"optimizer": "adam", "lr": 0.01},
         "passes": {"passes": 2, "global_batch": 16},
-    }, np_=2, starter="torchrun" if BACKEND == "torch" else "jax")
+    }, np_=2, starter=starter)
     for name, expected in (("global_batch", "sgd"), ("adam", "adam"), ("passes", "sgd_batch16")):
         weights, info = runs[name]
         assert_ranks_identical(weights)
         assert_same(weights[0], reference[expected])
         assert info[0]["optimizer"] == "DistributedOptimizer"
         assert info[0]["loss"] == info[1]["loss"]
+        assert [i["control_plane"] for i in info] == [plane, plane]
 
 
 @only_on["tensorflow"]

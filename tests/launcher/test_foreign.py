@@ -117,6 +117,11 @@ def test_the_launcher_holds_one_coordinator_for_a_one_host_job(tmp_path, monkeyp
      {"MGPU_GPU": "1", "CUDA_VISIBLE_DEVICES": "1", "LOCAL_RANK": "1"}, "--no-pin"),
     ("CUDA error: invalid device ordinal", {"LOCAL_RANK": "1"}, None),  # not pinned by us
     ("something else", {"KERAS_DISTRIBUTION_NUM_PROCESSES": "2", "MGPU_GPU": "1"}, None),
+    # what the guide across the cluster's nodes raised with Debian's /etc/hosts (test_cluster)
+    ("UNKNOWN: Gloo context initialization failed: [external/gloo/gloo/transport/tcp/pair.cc"
+     ":152] timed out connecting: SO_ERROR: Connection refused, remote=[127.0.1.1]:22432", {},
+     "map its name (hostname) to its network address"),
+    ("Gloo context initialization failed: remote=[10.213.0.2]:22432", {}, None),  # not ours
 ])
 def test_hints_only_for_the_failures_these_variables_cause(text, environ, expected):
     hint = foreign.hint_for(ValueError(text), environ)

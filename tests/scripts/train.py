@@ -21,6 +21,7 @@ import os
 import numpy as np
 
 import mgpu_launch as mgpu
+from mgpu_launch import runtime
 
 mgpu.init()
 import configs  # noqa: E402 - tests/scripts/configs.py: one config or several
@@ -79,7 +80,10 @@ def train(config, out_dir):
                    "optimizer": type(model.optimizer).__name__,
                    # Keras >= 3.16 on torch may wrap the model in DDP (it must not here).
                    "ddp_wrapper": type(getattr(model, "ddp_model", None)).__name__,
-                   "iterations": int(keras.ops.convert_to_numpy(model.optimizer.iterations))}, f)
+                   "iterations": int(keras.ops.convert_to_numpy(model.optimizer.iterations)),
+                   # the transport the ranks met on (tests of starters without MPI check it)
+                   "control_plane": (runtime.state.transport.name
+                                     if runtime.is_multi_process() else None)}, f)
     print("trained", rank, history.history["loss"][-1])
 
 
