@@ -142,8 +142,10 @@ def test_the_ddp_tutorial_on_two_nodes_agrees_on_node1s_address(cluster, tmp_pat
     """A torchrun-style script across hosts (docs/starting-processes.md): the ranks agree on the
     coordinator over MPI before it runs, rank 0's address as node2 dials it (not node1's
     127.0.1.1), and each node's index in GROUP_RANK."""
-    ddp = os.path.join(SCRIPTS, "ddp_torchrun.py")
-    result = cluster.mgpu_train(*HOSTS, ddp, str(tmp_path), "2", "1", timeout=600)
+    from test_foreign_scripts import DDP, ddp_job
+
+    result = ddp_job(lambda: cluster.mgpu_train(*HOSTS, DDP, str(tmp_path), "2", "1",
+                                                timeout=600), tmp_path, size=4)
     assert result.returncode == 0, explain(result)
     reports = _reports(tmp_path, 4)
     masters = {(report["env"]["MASTER_ADDR"], report["env"]["MASTER_PORT"]) for report in reports}

@@ -121,7 +121,7 @@ def test_the_keras_distribution_guide_and_the_ddp_tutorial_in_the_mpijob(mpi_ope
     MPIJob's launcher command ``mgpu-train -np 4`` (docs/starting-processes.md): 2 ranks in
     each worker pod agree on the coordinator over MPI, worker-0's address as worker-1 dials
     it; the checks of the one-host tests, for 4 processes."""
-    from test_foreign_scripts import DDP, GUIDE, JAX, check_ddp, check_guide
+    from test_foreign_scripts import DDP, GUIDE, JAX, check_ddp, check_guide, ddp_job
 
     pods = mpi_operator_cluster
     here, there = pods.volume_folder("guide")
@@ -134,7 +134,8 @@ def test_the_keras_distribution_guide_and_the_ddp_tutorial_in_the_mpijob(mpi_ope
                              capture_output=True, text=True, timeout=30)
     assert coordinator == dialled.stdout.split()[0], (coordinator, dialled.stdout)
     here, there = pods.volume_folder("ddp")
-    result = pods.mgpu_train("-np", "4", DDP, there, "5", "1", timeout=400)
+    result = ddp_job(lambda: pods.mgpu_train("-np", "4", DDP, there, "5", "1", timeout=400),
+                     here, size=4)
     assert result.returncode == 0, explain(result)
     check_ddp(here, result, epochs=5, size=4)  # half the steps an epoch of 2 ranks
     assert not pods.wait_until_empty(15), "processes left behind"

@@ -123,6 +123,36 @@ def test_initialize_with_another_process_count_fails_at_once_on_every_rank(tmp_p
         assert "Traceback" not in log or "num_processes is 3" in log, log
 
 
+#: what torch 2.14's gloo prints when its transport thread (pt_gloo_runloop) aborts the process
+#: while the process group is torn down: seen on this 2-core box under load, 1 job in 20-40,
+#: after every rank had written its report (docs/starting-processes.md, "Known: gloo's teardown")
+GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def ddp_job(start, out, size=2):
+    """Run `start()` (a DDP tutorial job writing into folder `out`), once more if its only fault
+    was gloo's abort at teardown: every rank's report written (the training done, the
+    process group being destroyed), then a rank killed by SIGABRT with GLOO_TEARDOWN_ABORT.
+    A fault anywhere else, or twice, is returned as it is. The snapshot the job started from is
+    put back for the second run, so a resume resumes from the same epoch."""
+    snapshot = out / "snapshot.pt"
+    before = snapshot.read_bytes() if snapshot.exists() else None
+    result = start()
+    output = result.stdout + result.stderr
+    reports = [out / f"rank.{rank}.json" for rank in range(size)]
+    if (result.returncode == 0 or GLOO_TEARDOWN_ABORT not in output or "SIGABRT" not in output
+            or not all(report.exists() for report in reports)):
+        return result
+    print(f"gloo aborted a rank at teardown; the job runs once more:\n{explain(result)}")
+    for report in reports:
+        report.unlink()
+    if before is None:
+        snapshot.unlink(missing_ok=True)
+    else:
+        snapshot.write_bytes(before)
+    return start()
+
+
 def check_ddp(out, result, epochs=3, size=2, per_host=2):
     """The tutorial's reports of a job of `size` processes, `per_host` on each host in rank
     order (also the cluster and Slurm tests')."""
@@ -143,20 +173,23 @@ def check_ddp(out, result, epochs=3, size=2, per_host=2):
 
 
 def test_ddp_tutorial_under_mgpu_train_and_its_snapshot_resume(tmp_path):
-    result = launch("-np", "2", DDP, str(tmp_path), "3", "1", timeout=600)
+    result = ddp_job(lambda: launch("-np", "2", DDP, str(tmp_path), "3", "1", timeout=600),
+                     tmp_path)
     assert result.returncode == 0, explain(result)
     first = check_ddp(tmp_path, result)
     assert first[0]["epochs_run"] == 0 and (tmp_path / "snapshot.pt").exists()
     assert "[0] rank 0 losses" in result.stdout  # rank 0's print, tagged
     # The tutorial's resume: a new job loads the snapshot rank 0 saved after epoch 2.
-    result = launch("-np", "2", DDP, str(tmp_path), "5", "1", timeout=600)
+    result = ddp_job(lambda: launch("-np", "2", DDP, str(tmp_path), "5", "1", timeout=600),
+                     tmp_path)
     assert result.returncode == 0, explain(result)
     second = check_ddp(tmp_path, result, epochs=5)
     assert second[0]["epochs_run"] == second[1]["epochs_run"] == 3
 
 
 def test_ddp_tutorial_under_mpirun(tmp_path):
-    result = mpirun_worker_mode(DDP, str(tmp_path), "2", "1", timeout=600)
+    result = ddp_job(lambda: mpirun_worker_mode(DDP, str(tmp_path), "2", "1", timeout=600),
+                     tmp_path)
     assert result.returncode == 0, explain(result)
     check_ddp(tmp_path, result, epochs=2)
 
@@ -166,9 +199,9 @@ def test_ddp_tutorial_under_torchrun_itself(tmp_path):
     command = torchrun_command()
     env = {key: value for key, value in job_env().items()
            if not key.startswith(("OMPI_", "PMIX_", "MGPU_"))}
-    result = subprocess.run([*command, "--standalone", "--nproc-per-node", "2", DDP,
-                             str(tmp_path), "2", "1"], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=600)
+    result = ddp_job(lambda: subprocess.run(
+        [*command, "--standalone", "--nproc-per-node", "2", DDP, str(tmp_path), "2", "1"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600), tmp_path)
     assert result.returncode == 0, explain(result)
     reports = check_ddp(tmp_path, result, epochs=2)
     assert reports[0]["env"]["MASTER_ADDR"]

@@ -116,7 +116,7 @@ def test_srun_pmix_runs_the_keras_distribution_guide_and_the_ddp_tutorial(slurm,
     """Scripts written for Keras's distribution API (JAX) and for torchrun, unchanged, as
     ``srun --mpi=pmix mgpu-train`` tasks (docs/starting-processes.md): the tasks agree on the
     coordinator over MPI (PMIx) before each script runs."""
-    from test_foreign_scripts import DDP, GUIDE, JAX, check_ddp, check_guide
+    from test_foreign_scripts import DDP, GUIDE, JAX, check_ddp, check_guide, ddp_job
 
     guide, ddp = tmp_path / "guide", tmp_path / "ddp"
     guide.mkdir()
@@ -126,7 +126,7 @@ def test_srun_pmix_runs_the_keras_distribution_guide_and_the_ddp_tutorial(slurm,
     assert result.returncode == 0, explain(result)
     reports = check_guide(guide, result)
     assert reports[0]["addresses"].count(",") == 1, reports[0]  # one address per task
-    result = run(slurm, "srun", "-n", "2", "--mpi=pmix", "mgpu-train", DDP, str(ddp), "2", "1",
-                 timeout=300)
+    result = ddp_job(lambda: run(slurm, "srun", "-n", "2", "--mpi=pmix", "mgpu-train", DDP,
+                                 str(ddp), "2", "1", timeout=300), ddp)
     assert result.returncode == 0, explain(result)
     check_ddp(ddp, result, epochs=2)
