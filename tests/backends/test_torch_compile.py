@@ -96,7 +96,9 @@ def test_the_step_compiles_once_without_graph_breaks(make):
     import torch
     from torch._dynamo.utils import counters
 
+    from mgpu_launch.backends.reduction import StepPath
     from mgpu_launch.backends.torch.compiled import CompiledTrainStep
+    from mgpu_launch.backends.torch.step_path import path_of
 
     if make is _gpt2:
         pytest.importorskip("keras_hub")
@@ -106,6 +108,7 @@ def test_the_step_compiles_once_without_graph_breaks(make):
     assert isinstance(step, CompiledTrainStep) and step.fallback is None, step.fallback
     # one eager step (it builds the optimizer's slots), one trace, the rest compiled
     assert dict(step.counts) == {"eager": 1, "traced": 1, "compiled": STEPS - 1}
+    assert path_of(step) == StepPath("compiled", ready=True, fallback=None)  # what benches say
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert not counters["recompiles"], dict(counters["recompiles"])
@@ -123,6 +126,7 @@ def _initial(make):
 
 def test_an_untraceable_layer_falls_back_to_eager_with_one_line(capfd):
     from mgpu_launch.backends.torch.compiled import FALLBACK_PREFIX
+    from mgpu_launch.backends.torch.step_path import path_of
 
     capfd.readouterr()
     weights, step = _train(_planted, jit_compile=True)
@@ -130,6 +134,8 @@ def test_an_untraceable_layer_falls_back_to_eager_with_one_line(capfd):
     assert len(lines) == 1, lines
     assert "tracing failed" in lines[0] and "jit_compile=False" in lines[0], lines[0]
     assert step.counts["compiled"] == 0 and step.counts["eager"] == STEPS, step.counts
+    path = path_of(step)  # what mgpu-bench's step_path / step_fallback record
+    assert path.name == "eager" and path.ready and path.fallback == step.fallback, path
     eager, _ = _train(_planted, jit_compile=False)
     for ours, theirs in zip(weights, eager, strict=True):  # the same eager step: bit for bit
         np.testing.assert_array_equal(ours, theirs)
@@ -150,6 +156,30 @@ def test_a_loss_scale_optimizer_is_named_without_tracing(capfd):
     lines = [line for line in capfd.readouterr().err.splitlines() if FALLBACK_PREFIX in line]
     assert len(lines) == 1 and "LossScaleOptimizer" in lines[0], lines
     assert model.train_function.counts == {"eager": STEPS}
+
+
+def test_the_step_path_is_ready_once_the_compiled_program_ran():
+    """What mgpu-bench's warm-up clock asks after every step (``Engine.step_path``): not ready
+    before the compiled step's first compiled run, eager when capture is impossible here (no
+    CUDA device: its reason kept), eager and ready with no step made."""
+    import keras
+
+    import mgpu_launch as mgpu
+    from mgpu_launch.backends.reduction import StepOptions, StepPath
+    from mgpu_launch.backends.torch.compiled import CompiledTrainStep
+    from mgpu_launch.backends.torch.graph import GraphedTrainStep
+    from mgpu_launch.backends.torch.step_path import path_of
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(mgpu.DistributedOptimizer(keras.optimizers.SGD(0.1)), "mse")
+    step = CompiledTrainStep(model, lambda data: {}, StepOptions())
+    assert path_of(step) == StepPath("compiled", ready=False)
+    step.counts.update(eager=1, traced=1, compiled=1)  # the second step: traced and ran
+    assert path_of(step) == StepPath("compiled", ready=True)
+    captured = GraphedTrainStep(model, step, StepOptions(cuda_graph=True), is_chief=False)
+    path = path_of(captured)
+    assert path.name == "compiled" and path.fallback.startswith("capture: "), path
+    assert path_of(None) == StepPath("eager", ready=True)
 
 
 @pytest.mark.parametrize("setting, jit_compile, expected", [
@@ -284,6 +314,7 @@ def test_each_hard_case_compiles_like_eager_or_falls_back_with_one_line(capfd, m
     after it subtracts the batch mean), so both paths move it by rounding noise only (~4e-9):
     ROUNDING's atol, not a relative bound, covers it."""
     from mgpu_launch.backends.torch.compiled import FALLBACK_PREFIX
+    from mgpu_launch.backends.torch.step_path import path_of
 
     capfd.readouterr()
     weights, step = _train(make, jit_compile=True)
@@ -291,7 +322,7 @@ def test_each_hard_case_compiles_like_eager_or_falls_back_with_one_line(capfd, m
     eager, _ = _train(make, jit_compile=False)
     if isinstance(expected, dict):
         assert not lines and step.fallback is None, lines
-        assert dict(step.counts) == expected
+        assert dict(step.counts) == expected and path_of(step).name == "compiled"
         for index, (ours, theirs) in enumerate(zip(weights, eager, strict=True)):
             np.testing.assert_allclose(ours, theirs, err_msg=f"weight #{index}", **ROUNDING)
     else:
