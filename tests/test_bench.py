@@ -297,7 +297,11 @@ def test_a_silent_job_is_killed_at_its_timeout(tmp_path):
 
 #: the transformer runs are torch's: its eager step starts fastest on CPU (JAX and TensorFlow
 #: compile the step for longer than these runs take); the other passes leave them out
-TORCH_PASS = pytest.mark.skipif(BACKEND != "torch", reason="runs in the torch pass of the suite")
+def TORCH_PASS(test):
+    """Run in the torch pass of the suite only: marked `backend`, which is what scripts/test.sh
+    selects after its first (TensorFlow) pass; skipped in the others."""
+    return pytest.mark.backend(pytest.mark.skipif(
+        BACKEND != "torch", reason="runs in the torch pass of the suite")(test))
 
 
 @pytest.fixture(scope="module")
@@ -332,11 +336,15 @@ def test_a_transformer_reports_tokens_per_second_and_its_first_step(transformer_
         assert row["tokens_per_sample"] == 32 and row["rate"] > 0
         assert row["rate"] == pytest.approx(32 * row["img_per_sec"], rel=1e-3)
         assert row["first_step_s"] > 0 and len(row["per_rank_img_per_sec"]) == row["gpus"]
-        assert row["compiled"] is False
+        assert row["compiled"] is False  # --compile only; what ran (CPU: eager) is step_path
+        assert (row["step_path"], row["step_fallback"]) == ("eager", None)
+        # the eager Keras step and native eager: at speed after their first step
+        assert (row["warmup_s"], row["ready_step"]) == (row["first_step_s"], 1)
     assert [r["speedup"] for r in rows if r["gpus"] == 1] == [1.0, 1.0, 1.0]
     assert "Keras torch gpt2-tiny-lm float32" in result.stdout
     assert "native torch gpt2-tiny-lm float32" in result.stdout
-    assert "gpus |    tokens/s | speedup | efficiency | first step s" in result.stdout
+    assert ("gpus |    tokens/s | speedup | efficiency | first step s | warm-up s | step path"
+            in result.stdout)
     assert " tokens/s (" in result.stdout and " sequences/s)" in result.stdout
 
 
@@ -352,9 +360,14 @@ def test_native_rows_come_eager_and_compiled(tmp_path):
     assert [(r["backend"], r["compiled"]) for r in rows] == [("native", False),
                                                              ("native+compile", True)]
     assert all(r["rate"] > 0 and r["first_step_s"] > 0 for r in rows)
-    # compiling the step is the first step's wait: longer than the eager first step
+    assert [r["step_path"] for r in rows] == ["eager", "compiled"]
+    # compiling the step is the first step's wait: longer than the eager first step; torch
+    # compiles the whole step at its first call (no recompile: ready after it)
     assert rows[1]["first_step_s"] > rows[0]["first_step_s"], explain(result)
+    assert [(r["warmup_s"], r["ready_step"]) for r in rows] == [
+        (r["first_step_s"], 1) for r in rows], explain(result)
     markdown = (tmp_path / "results.md").read_text()
+    assert "| native | gpt2-tiny-lm | float32 | device | - | 1 | eager |" in markdown
     assert "| rate | unit | samples/s |" in markdown and "| native+compile | gpt2-tiny-lm |" \
         in markdown
     assert "native torch.compile gpt2-tiny-lm" in result.stdout
@@ -409,3 +422,60 @@ def test_transformer_models_have_their_units_and_batches():
     x, y = bert.synthetic(np, bert.input_shape, 2, np.random.default_rng(0))
     assert set(x) == {"token_ids", "segment_ids", "padding_mask"} and y.shape == (2,)
     assert y.max() < 2
+
+
+@TORCH_PASS
+@pytest.mark.job
+@pytest.mark.slow  # the compiled Keras-torch step of a GPT-2: ~40-160 s on a loaded 2-core box
+@requires_mpirun
+def test_the_compiled_keras_torch_row_carries_its_compile_in_its_warmup(tmp_path):
+    """mgpu's compiled torch step runs its first step eagerly and compiles at the second: its
+    first step is as short as eager's, and the compile shows only in warmup_s (issue 63)."""
+    pytest.importorskip("keras_hub")
+    result = assert_ok(bench("--cpu", "--gpus", "1", "--model", "gpt2-tiny-lm", "--steps", "4",
+                             "--window", "2", "--warmup-steps", "2", "--data", "device",
+                             "--backend", "torch,torch+compile", "--out", str(tmp_path)))
+    eager, compiled = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert (eager["step_path"], eager["ready_step"]) == ("eager", 1), explain(result)
+    assert (compiled["step_path"], compiled["step_fallback"], compiled["compiled"]) == (
+        "compiled", None, True), explain(result)
+    assert compiled["ready_step"] == 2  # the eager first step, then traced + compiled + run
+    # inductor's build of the graph (seconds) against an eager step of milliseconds
+    assert compiled["warmup_s"] > 20 * compiled["first_step_s"], explain(result)
+    assert compiled["warmup_s"] > 20 * eager["warmup_s"], explain(result)
+
+
+def test_result_rows_with_and_without_the_waits_and_step_path_are_read():
+    """Rows written before warmup_s / step_path (``compiled`` only) still read; the new fields
+    are checked like every field results.md shows."""
+    from mgpu_launch.bench import result_file
+    old = {"model": "mlp-tiny", "data": "host", "data_format": "channels_last",
+           "batch_per_gpu": 8, "img_per_sec": 10.0, "per_rank_img_per_sec": [10.0],
+           "first_step_s": 0.5, "compiled": True}
+    assert result_file.check({"rows": [old]}, "r")["rows"][0]["compiled"] is True
+    new = dict(old, warmup_s=30.0, ready_step=2, step_path="compiled+cuda_graph",
+               step_fallback=None)
+    result_file.check({"rows": [new]}, "r")
+    for field, value, why in (("step_path", "compiled | x", "step_path: expected one of eager"),
+                              ("warmup_s", -1, "warmup_s: expected a finite number"),
+                              ("ready_step", 0, "ready_step: expected an integer"),
+                              ("step_fallback", ["a"], "step_fallback: expected null or a text")):
+        with pytest.raises(result_file.BadResult, match=why):
+            result_file.check({"rows": [dict(new, **{field: value})]}, "r")
+
+
+def test_the_markdown_pairs_each_warmup_with_native_compile():
+    from mgpu_launch.bench import report
+
+    def row(backend, warmup, path):
+        return {"backend": backend, "model": "gpt2-tiny-lm", "precision": "float32",
+                "data_format": "channels_last", "data": "device", "prefetch": None,
+                "variant": None, "batch_per_gpu": 8, "gpus": 1, "img_per_sec": 100.0,
+                "per_rank_img_per_sec": [100.0], "speedup": 1.0, "efficiency": 1.0,
+                "first_step_s": 0.1, "warmup_s": warmup, "step_path": path}
+    text = report.markdown({}, [row("torch+compile", 30.0, "compiled"),
+                                row("native+compile", 12.0, "compiled")])
+    assert "| first step s | warm-up s | step path |" in text
+    assert ("| torch+compile | gpt2-tiny-lm | float32 | device | - | 1 | compiled | 30 | 12 | "
+            "2.5x |") in text
+    assert "Warm-up against" not in report.markdown({}, [row("torch", 0.1, "eager")])

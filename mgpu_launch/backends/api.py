@@ -114,6 +114,11 @@ class TrainStep(abc.ABC):
         """Whether `variables` have values the host can read now."""
 
     @abc.abstractmethod
+    def step_path(self, model):
+        """What `model`'s train step ran as so far: a ``reduction.StepPath`` (the engine's
+        actual choice, a fallback included); for benchmarks and the efficiency report."""
+
+    @abc.abstractmethod
     def step_advice(self, model, options) -> str:
         """A setting that makes `model`'s train step itself faster here ("" when none);
         `options`: as in :meth:`wrap_train_function`."""

@@ -36,8 +36,8 @@ import dataclasses
 import numbers
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
-__all__ = ["GradientReduction", "StepOptions", "TensorSpec", "Bucket", "Scales", "plan", "scales",
-           "scale_once"]
+__all__ = ["GradientReduction", "StepOptions", "StepPath", "STEP_PATHS", "TensorSpec", "Bucket",
+           "Scales", "plan", "scales", "scale_once"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +58,35 @@ class StepOptions:
     cuda_graph: Optional[bool] = None
     backward_passes_per_step: int = 1
     within_a_set: bool = False
+
+
+#: what a train step can run as (:class:`StepPath`'s ``name``)
+STEP_PATHS = ("eager", "graph", "compiled", "cuda_graph", "compiled+cuda_graph")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPath:
+    """What a model's train step ran as: the engine's actual choice (``Engine.step_path``),
+    which a fallback can make differ from what the options asked for.
+
+    Attributes:
+        name: one of :data:`STEP_PATHS`. ``eager``: Python dispatches every op (Keras's
+            ``run_eagerly``; Keras-torch without compiling); ``graph``: TensorFlow's
+            ``tf.function`` without XLA; ``compiled``: one compiled program (JAX's ``jit``,
+            TensorFlow's XLA, the torch engine's compiled step through inductor);
+            ``cuda_graph``: the torch eager step captured in a CUDA graph and replayed;
+            ``compiled+cuda_graph``: the compiled torch step captured.
+        ready: every step from now on runs `name` as it is: its tracing, compiling and
+            capturing are done (or were given up). Keras's compiled functions are built at the
+            first call; the torch engine compiles at the second step, captures after its
+            warm-up steps.
+        fallback: why the step runs a slower path than the one asked for or chosen by default
+            (the reason its one fallback line printed), else None.
+    """
+
+    name: str
+    ready: bool = True
+    fallback: Optional[str] = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -92,6 +92,16 @@ class KerasTrainStep:
         """Whether the variables' values can be read now (False: only inside the step)."""
         return True
 
+    def step_path(self, model):
+        """Keras's own step: eager under ``run_eagerly``, else compiled when the engine builds
+        the step (JAX's shard_map under ``jit``) or ``model.jit_compile`` holds, eager otherwise
+        (Keras's JAX trainer jits only then); built at the first call, so always ready."""
+        from mgpu_launch.backends.reduction import StepPath
+
+        if model.run_eagerly:
+            return StepPath("eager")
+        return StepPath("compiled" if self.owns_train_step() or model.jit_compile else "eager")
+
     def step_advice(self, model, options) -> str:
         """A setting of this engine that makes `model`'s train step itself faster here, in a
         few words for the efficiency report's advice when the step dominates ("" when none)."""

@@ -18,8 +18,16 @@ Timing: each rank reads the loss back at the end of the warm-up and every ``--wi
 after it (that waits for the device); each window's rate is ``window x batch / seconds``; a
 rank's figure is the median window, the job's the sum over ranks.
 
-Every row also has ``first_step_s``: its fit's first train step, compilation included (the
-user's wait before training starts; the first row of a compiled function carries it).
+Every row also has the user's waits (``clock.py``), on the slowest rank, the loss read back:
+``first_step_s``, its fit's first train step, compilation included; ``warmup_s``, from the start
+of that step to the end of the first step that ran the row's step path as every later step does
+(its tracing, compiling and capturing done: the torch engine's compiled step compiles at the
+second step, so only ``warmup_s`` holds its compile; JAX and TensorFlow compile at the first;
+native+compile: up to the last step in which ``torch.compile`` compiled), with ``ready_step``
+its number. The first row of a compiled function carries them. ``step_path`` says what the step
+actually ran as (eager, graph, compiled, cuda_graph, compiled+cuda_graph; a fallback to eager
+included, its reason in ``step_fallback``); ``compiled`` only says whether ``--compile`` was
+given. results.md adds a table of each row's warm-up against native+compile's.
 
 Input (``--data``; several give several rows from one compiled model):
   device  one batch already on the device, every step (input feeding excluded);

@@ -33,10 +33,10 @@ import sys
 import time
 
 from mgpu_launch.bench import profile
+from mgpu_launch.bench.clock import StepTimer, make_window_timer, median_rate, waits
 from mgpu_launch.bench.models import MODELS
-from mgpu_launch.bench.worker import (StepTimer, device_name, get_parser, make_window_timer,
-                                      median_rate, synthetic_batches, throughput_fields,
-                                      versions)
+from mgpu_launch.bench.worker import (device_name, get_parser, synthetic_batches,
+                                      throughput_fields, versions)
 from mgpu_launch.runtime import folders
 
 
@@ -146,7 +146,10 @@ def main(argv=None) -> None:
                      "batch_per_gpu": batch, "params": model.count_params(),
                      "img_per_sec": round(rate, 1), "per_rank_img_per_sec": [round(rate, 1)],
                      **throughput_fields(spec, rate),
-                     "first_step_s": round(timer.first_step, 2),
+                     # Keras's TF step, built at its first call: ready after it
+                     **waits(timer.first_step, timer.warmup, timer.ready_step, lambda v: [v]),
+                     "step_path": "compiled" if model.jit_compile else "graph",
+                     "step_fallback": None,
                      "processes": 1, "replicas": strategy.num_replicas_in_sync,
                      "devices": devices, "strategy": type(strategy).__name__,
                      "jit_compile": bool(model.jit_compile),

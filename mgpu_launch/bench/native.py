@@ -15,7 +15,9 @@ Keras policy names map to autocast (bfloat16 / float16 with a GradScaler) or pla
 ``torch.channels_last`` memory, ``channels_first`` in contiguous NCHW; torch's logical shape is
 NCHW either way. mgpu-launch only starts the processes and shares the rendezvous address.
 Timing and the result file are the Keras worker's (``worker.py``); ``first_step_s`` is the
-first step's wall time, compilation included, synchronized.
+first step's wall time, compilation included, synchronized; ``warmup_s`` the wall time to the
+end of the last step in which ``torch.compile`` compiled a graph (dynamo's graph count rose:
+a recompile at a later step counts), ``ready_step`` that step's number; eager: the first step.
 """
 
 import datetime
@@ -27,6 +29,7 @@ import time
 import mgpu_launch as mgpu
 from mgpu_launch import runtime
 from mgpu_launch.bench import native_models
+from mgpu_launch.bench.clock import waits
 from mgpu_launch.bench.models import MODELS
 from mgpu_launch.bench.worker import parse_args, progress, throughput_fields
 from mgpu_launch.runtime import folders
@@ -92,13 +95,22 @@ def main(argv=None) -> None:
         if cuda:
             torch.cuda.synchronize()
 
+    def graphs_compiled() -> int:  # dynamo's count of graphs it compiled (recompiles too)
+        from torch._dynamo.utils import counters
+        return counters["stats"]["unique_graphs"]
+
     stamps = []
+    compiled_before = graphs_compiled()
     started = time.perf_counter()
     for number in range(total):
         step(inputs, labels)
-        if number == 0:
+        compiled_now = graphs_compiled()
+        if number == 0 or compiled_now != compiled_before:  # a step that compiled: waited for
             synchronize()
-            first_step = time.perf_counter() - started
+            warmup, ready_step = time.perf_counter() - started, number + 1
+            compiled_before = compiled_now
+        if number == 0:
+            first_step = warmup
             progress(f"native: first step {first_step:.1f} s")
         done = number + 1 - args.warmup_steps
         if done >= 0 and done % args.window == 0:
@@ -106,12 +118,12 @@ def main(argv=None) -> None:
             stamps.append(time.perf_counter())
     per_rank = mgpu.allgather_object(statistics.median(
         args.window * batch / (t1 - t0) for t0, t1 in zip(stamps, stamps[1:])))
-    first_steps = mgpu.allgather_object(first_step)
     row = {"model": args.model, "data": "device", "prefetch": None, "batch_per_gpu": batch,
            "data_format": args.data_format, "params": params, "compiled": bool(args.compile),
+           "step_path": "compiled" if args.compile else "eager", "step_fallback": None,
            "img_per_sec": round(sum(per_rank), 1),
            "per_rank_img_per_sec": [round(r, 1) for r in per_rank],
-           "first_step_s": round(max(first_steps), 2),
+           **waits(first_step, warmup, ready_step, mgpu.allgather_object),
            "step_ms": round(1000 * batch * len(per_rank) / sum(per_rank), 2)}
     row.update(throughput_fields(spec, sum(per_rank)))
     progress(f"native: {row['rate']:.0f} {row['unit']}")

@@ -76,13 +76,16 @@ def console_table(rows: List[dict]) -> str:
     blocks = []
     for key, members in _grouped(rows).items():
         unit = rate_of(members[0])[1]
-        lines = [label_of(key), f"  gpus | {unit:>11} | speedup | efficiency | first step s",
-                 "  -----+-------------+---------+------------+-------------"]
+        lines = [label_of(key), f"  gpus | {unit:>11} | speedup | efficiency | first step s "
+                                f"| warm-up s | step path",
+                 "  -----+-------------+---------+------------+--------------+-----------+-"
+                 "----------"]
         for r in sorted(members, key=lambda r: r["gpus"]):
             speedup = f"{r['speedup']:7.2f}" if r["speedup"] is not None else "      -"
             eff = f"{100 * r['efficiency']:9.1f}%" if r["efficiency"] is not None else "         -"
             lines.append(f"  {r['gpus']:4d} | {rate_of(r)[0]:11.1f} | {speedup} | {eff}  | "
-                         f"{_seconds(r.get('first_step_s')):>12}")
+                         f"{_seconds(r.get('first_step_s')):>12} | "
+                         f"{_seconds(r.get('warmup_s')):>9} | {r.get('step_path') or '-'}")
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks) if blocks else "(no results)"
 
@@ -93,10 +96,14 @@ def markdown(header: dict, rows: List[dict]) -> str:
               for key, value in header.items()]
     lines += ["", "Rate: in the row's unit (tokens/s for the transformers, whose samples are "
                   "sequences); samples/s per rank; first step: its wall time in seconds, "
-                  "compilation included.", ""]
+                  "compilation included; warm-up: seconds from the start of the first step to "
+                  "the end of the first one that ran the row's step path as every later step "
+                  "(tracing, compiling, capturing done; the torch engine compiles at the second "
+                  "step); step path: what the step ran as (eager, graph, compiled, cuda_graph, "
+                  "compiled+cuda_graph), a fallback included (mgpu_launch/bench/clock.py).", ""]
     lines += ["| backend | model | precision | data format | data | prefetch | variant | "
               "batch/GPU | gpus | rate | unit | samples/s | per rank | speedup | efficiency | "
-              "first step s |", "|" + "---|" * 16]
+              "first step s | warm-up s | step path |", "|" + "---|" * 18]
     for r in rows:
         eff = f"{100 * r['efficiency']:.1f}%" if r["efficiency"] is not None else "-"
         speedup = f"{r['speedup']:.2f}" if r["speedup"] is not None else "-"
@@ -107,8 +114,32 @@ def markdown(header: dict, rows: List[dict]) -> str:
                      f"{r.get('data_format', '-')} | {r['data']} | "
                      f"{prefetch} | {r.get('variant') or '-'} | {r['batch_per_gpu']} | "
                      f"{r['gpus']} | {rate:.0f} | {unit} | {r['img_per_sec']:.0f} | "
-                     f"{per_rank} | {speedup} | {eff} | {_seconds(r.get('first_step_s'))} |")
-    return "\n".join(lines + profile_table(rows)) + "\n"
+                     f"{per_rank} | {speedup} | {eff} | {_seconds(r.get('first_step_s'))} | "
+                     f"{_seconds(r.get('warmup_s'))} | {r.get('step_path') or '-'} |")
+    return "\n".join(lines + wait_table(rows) + profile_table(rows)) + "\n"
+
+
+def wait_table(rows: List[dict]) -> List[str]:
+    """Markdown lines: each row's warm-up against ``native+compile``'s of the same model,
+    precision, data format and GPU count (issue 63: within 2x); none without such a row."""
+    def key(row):
+        return row["model"], row.get("precision"), row.get("data_format"), row["gpus"]
+    native = {key(r): r["warmup_s"] for r in rows
+              if r.get("backend") == "native+compile" and r.get("warmup_s")}
+    paired = [r for r in rows if key(r) in native and r.get("backend") != "native+compile"
+              and r.get("warmup_s") is not None]
+    if not paired:
+        return []
+    lines = ["", "Warm-up against native torch.compile's (same model, precision, data format "
+                 "and GPUs):", "", "| backend | model | precision | data | variant | gpus | "
+                 "step path | warm-up s | native+compile s | ratio |", "|" + "---|" * 10]
+    for r in paired:
+        theirs = native[key(r)]
+        lines.append(f"| {r['backend']} | {r['model']} | {r['precision']} | {r['data']} | "
+                     f"{r.get('variant') or '-'} | {r['gpus']} | {r.get('step_path') or '-'} | "
+                     f"{_seconds(r['warmup_s'])} | {_seconds(theirs)} | "
+                     f"{r['warmup_s'] / theirs:.3g}x |")
+    return lines
 
 
 PROFILE_COLUMNS = ("input_ms", "wait_ms", "step_ms", "compute_ms", "comm_ms")

@@ -13,6 +13,7 @@ import math
 import re
 from typing import Any, Dict, Tuple
 
+from mgpu_launch.backends.reduction import STEP_PATHS
 from mgpu_launch.bench.models import MODELS
 from mgpu_launch.bench.worker import DATA_FORMATS
 from mgpu_launch.runtime import folders
@@ -88,8 +89,17 @@ def _row(row: Any, where: str) -> Dict[str, Any]:
         _number(row.get("rate"), f"{where} rate")
     if row.get("tokens_per_sample") is not None:
         _integer(row["tokens_per_sample"], f"{where} tokens_per_sample", 1, 1 << 30)
-    if row.get("first_step_s") is not None:
-        _number(row["first_step_s"], f"{where} first_step_s", high=1e7)
+    for key in ("first_step_s", "warmup_s"):  # warmup_s: absent before it existed
+        if row.get(key) is not None:
+            _number(row[key], f"{where} {key}", high=1e7)
+    if row.get("ready_step") is not None:
+        _integer(row["ready_step"], f"{where} ready_step", 1, 1 << 40)
+    if row.get("step_path") is not None:  # older rows: only `compiled` (the --compile flag)
+        _one_of(row["step_path"], STEP_PATHS, f"{where} step_path")
+    fallback = row.get("step_fallback")  # the fallback line's reason: kept, never shown
+    if fallback is not None and (not isinstance(fallback, str) or len(fallback) > 2000):
+        raise BadResult(f"{where} step_fallback: expected null or a text of at most 2000 "
+                        f"characters, got {str(fallback)[:80]!r}")
     state = row.get("optimizer_state_bytes")
     if state is not None:
         if not isinstance(state, list) or not 1 <= len(state) <= MAX_RANKS:

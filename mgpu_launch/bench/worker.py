@@ -12,8 +12,13 @@ held, to ``--result``. Lines with ``[mgpu-bench]`` are progress for the driver.
 
 Every row has its throughput in the model's unit (``unit``: img/s, samples/s or tokens/s;
 ``rate``) beside ``img_per_sec`` (samples per second, whatever the model), and
-``first_step_s``: the wall time of the fit's first train step, the loss read back, on the
-slowest rank. The first row of each train function carries its tracing and compilation; later
+the user's waits (``clock.py``): ``first_step_s``, the fit's first train step, and ``warmup_s``, to
+the end of the first step that ran the row's step path as the later steps do (its tracing,
+compiling and capturing done; ``ready_step`` is that step's number). ``step_path`` is what the
+engine actually ran (``eager``, ``graph``, ``compiled``, ``cuda_graph``,
+``compiled+cuda_graph``; ``Engine.step_path``), and ``step_fallback`` why it runs a slower path
+than asked for (the fallback line's reason) or null; ``compiled`` is only whether ``--compile``
+was given. The first row of each train function carries its tracing and compilation; later
 rows reuse the compiled step.
 """
 
@@ -21,12 +26,12 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import time
 
 import mgpu_launch as mgpu
-from mgpu_launch import runtime
+from mgpu_launch import backends, runtime
 from mgpu_launch.bench import profile
+from mgpu_launch.bench.clock import StepTimer, make_window_timer, median_rate, timing_for, waits
 from mgpu_launch.bench.models import MODELS
 from mgpu_launch.runtime import folders, timeline
 
@@ -113,51 +118,6 @@ def recipe_dataset(np, spec, shape, batch: int, batches: int):
     return mgpu.data.shard(dataset, batch_size=batch, shuffle=True, seed=1)
 
 
-def make_window_timer(keras, args, total: int, report=progress):
-    """The throughput clock of every Keras row: the loss is read back (waiting for the device)
-    when the warm-up ends and every ``args.window`` steps after it; ``.stamps`` are the times.
-    With ``steps_per_execution`` k, Keras calls it once per k steps: the window and warm-up
-    must then be multiples of k (:func:`timing_for`)."""
-
-    class WindowTimer(keras.callbacks.Callback):
-        def __init__(self):
-            super().__init__()
-            self.stamps = []
-            self.begun = self.first_step = None  # the first step's wall time (compilation in)
-
-        def on_train_batch_begin(self, step, logs=None):
-            if self.begun is None:
-                self.begun = time.perf_counter()
-
-        def on_train_batch_end(self, step, logs=None):
-            if self.first_step is None:
-                float(logs["loss"])  # waits for the device
-                self.first_step = time.perf_counter() - self.begun
-            done = step + 1 - args.warmup_steps  # windows start when the warm-up ends
-            if done >= 0 and done % args.window == 0:
-                float(logs["loss"])  # waits for the device
-                self.stamps.append(time.perf_counter())
-                if done == 0 or step + 1 == total:
-                    report(f"  step {step + 1}/{total}")
-
-    return WindowTimer()
-
-
-def timing_for(args, steps_per_execution: int) -> argparse.Namespace:
-    """`args` with the warm-up, window and timed steps rounded up to multiples of
-    `steps_per_execution` (Keras reports to callbacks once per execution)."""
-    def up(count: int) -> int:
-        return -(-count // steps_per_execution) * steps_per_execution
-    return argparse.Namespace(**dict(vars(args), warmup_steps=up(args.warmup_steps),
-                                     window=up(args.window), steps=up(args.steps)))
-
-
-def median_rate(stamps, window: int, samples_per_step: int) -> float:
-    """Samples per second of the median window between consecutive `stamps`."""
-    return statistics.median(window * samples_per_step / (t1 - t0)
-                             for t0, t1 in zip(stamps, stamps[1:]))
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     mgpu.init()  # before Keras touches a device (JAX)
@@ -218,17 +178,20 @@ def main(argv=None) -> None:
         else:
             model.fit(Batches(mode, total), epochs=1, verbose=0, callbacks=callbacks)
 
+    engine = backends.get_engine()
+
     def rate(mode: str, timing, recorded: bool) -> tuple:
-        """(this rank's samples/s, its first step's seconds, the efficiency report's text on
-        rank 0 of a recorded row)."""
+        """(this rank's samples/s, its window timer (the waits), the efficiency report's text
+        on rank 0 of a recorded row)."""
         total = timing.warmup_steps + timing.steps
-        timer = make_window_timer(keras, timing, total)
+        timer = make_window_timer(keras, timing, total, progress,
+                                  ready=lambda: engine.step_path(model).ready)
         kind = {"recipe": "shard tf.data", "numpy": "arrays"}.get(mode, "PyDataset")
         report = efficiency_report.EfficiencyReport(batch, kind) if recorded else None
         step_timer.reset()
         fit(mode, total, [timer] + ([report] if report else []))
         text = efficiency.render(report.figures) if report and report.figures else None
-        return median_rate(timer.stamps, timing.window, batch), timer.first_step, text
+        return median_rate(timer.stamps, timing.window, batch), timer, text
 
     def profiled(mode: str, timing) -> dict:
         """Per rank input / wait / step ms (and compute ms where the allreduce can be left out)."""
@@ -288,9 +251,11 @@ def main(argv=None) -> None:
                 name = f"data {mode}, prefetch {depth}, cuda graph {graph}" + (
                     f", {variant}" if variant else "")
                 progress(f"{name}: fit")
-                mine, first_step, text = rate(mode, timing, recorder == "on")
+                mine, timer, text = rate(mode, timing, recorder == "on")
                 per_rank = mgpu.allgather_object(mine)
-                first_step = max(mgpu.allgather_object(first_step))
+                wait = waits(timer.first_step, timer.warmup, timer.ready_step,
+                             mgpu.allgather_object)
+                path = engine.step_path(model)
                 state_bytes = mgpu.allgather_object(sharding.state_bytes(model.optimizer))
                 host_ms, device_ms = step_timer.medians()
                 rows.append({"model": args.model, "data": mode, "prefetch": depth,
@@ -301,7 +266,7 @@ def main(argv=None) -> None:
                              "img_per_sec": round(sum(per_rank), 1),
                              "per_rank_img_per_sec": [round(r, 1) for r in per_rank],
                              **throughput_fields(spec, sum(per_rank)),
-                             "first_step_s": round(first_step, 2),
+                             **wait, "step_path": path.name, "step_fallback": path.fallback,
                              "compiled": bool(args.compile),
                              "cuda_graph": graph == "1",
                              "shard_optimizer_state": shard,
@@ -311,9 +276,9 @@ def main(argv=None) -> None:
                              "step_ms": round(1000 * batch * len(per_rank) / sum(per_rank), 2),
                              "train_function_host_ms": host_ms,
                              "train_function_device_ms": device_ms})
-                progress(f"{name}: {rows[-1]['rate']:.0f} {spec.unit} (first step "
-                         f"{first_step:.1f} s); in the train function {host_ms} ms host, "
-                         f"{device_ms} ms device per step")
+                progress(f"{name}: {rows[-1]['rate']:.0f} {spec.unit}, step {path.name} (first "
+                         f"step {wait['first_step_s']} s, steady after {wait['warmup_s']} s); in "
+                         f"the train function {host_ms} ms host, {device_ms} ms device per step")
                 if recorder == "on" and len(recorders) > 1:
                     trace = timeline.write(
                         f"{os.path.splitext(args.result)[0]}.timeline-{mode}.json", runtime.state)
@@ -330,48 +295,6 @@ def main(argv=None) -> None:
     if mgpu.is_chief():
         folders.replace_file(args.result, json.dumps(
             {"rows": rows, "versions": versions(keras), "device": device_name(keras)}).encode())
-
-
-class StepTimer:
-    """Per step: wall time inside Keras's train function, and (torch on GPU) the device time
-    between CUDA events recorded around it -- where a step's time goes."""
-
-    def __init__(self, backend: str):
-        self.cuda = False
-        if backend == "torch":
-            import torch
-            self.cuda = torch.cuda.is_available()
-        self.reset()
-
-    def reset(self):
-        self.host, self.events = [], []
-
-    def wrap(self, function):
-        def timed(*args):  # torch: (data); JAX: (state, data)
-            started = time.perf_counter()
-            if self.cuda:
-                import torch
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                    enable_timing=True)
-                begin.record()
-            logs = function(*args)
-            if self.cuda:
-                end.record()
-                self.events.append((begin, end))
-            self.host.append(time.perf_counter() - started)
-            return logs
-        return timed
-
-    def medians(self):
-        """(host ms, device ms or None), medians over the second half of the steps."""
-        host = self.host[len(self.host) // 2:]
-        host_ms = round(1000 * statistics.median(host), 2) if host else None
-        if not self.events:
-            return host_ms, None
-        import torch
-        torch.cuda.synchronize()
-        events = self.events[len(self.events) // 2:]
-        return host_ms, round(statistics.median(b.elapsed_time(e) for b, e in events), 2)
 
 
 def versions(keras) -> dict:

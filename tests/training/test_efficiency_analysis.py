@@ -3,6 +3,8 @@ gradient allreduce timed alone, taken out of each step's own time), the advice i
 report's words, and how the ranks' timings are combined. The jobs that make each cause
 dominate: test_efficiency.py."""
 
+import os
+
 import pytest
 
 from mgpu_launch.training import efficiency, units
@@ -244,3 +246,52 @@ def test_what_fit_was_given_is_told_apart():
     assert sharded.input_kind(data.shard(x, batch_size=2)) == "PyDataset"
     assert sharded.input_kind((x, x)) == sharded.input_kind(x) == "arrays"
     assert sharded.input_kind(keras.utils.PyDataset()) == "PyDataset"
+
+
+@pytest.mark.skipif(os.environ.get("KERAS_BACKEND", "tensorflow") != "torch",
+                    reason="the torch engine's word on its eager step")
+@pytest.mark.backend
+def test_a_dominant_eager_torch_step_is_told_how_to_compile_it(capfd):
+    """The figures carry the engine's word on the step (``step_hint``, as the report's
+    on_train_end puts it there): a torch step that ran eagerly -- jit_compile off (this box's
+    default), or compiled but fallen back -- dominates, and the advice names the compiled path
+    (and the fallback's reason). Real fits of a tiny model; nothing is compiled (the fallback
+    is found while tracing)."""
+    import keras
+    import numpy as np
+
+    import mgpu_launch as mgpu
+    from mgpu_launch import backends
+    from mgpu_launch.training import optimizer_options
+
+    class ReadsOnHost(keras.layers.Layer):  # float() of a tensor: it cannot be traced
+        def call(self, x):
+            return x / (1.0 + 0.0 * float(keras.ops.convert_to_numpy(keras.ops.max(x))))
+
+        def compute_output_shape(self, shape):
+            return shape
+
+    def hint_after_fit(jit_compile, *extra):
+        model = keras.Sequential([keras.Input((4,)), *extra, keras.layers.Dense(2)])
+        model.compile(mgpu.DistributedOptimizer(keras.optimizers.SGD(0.1)), "mse",
+                      jit_compile=jit_compile)
+        model.fit(np.ones((16, 4), "float32"), np.zeros((16, 2), "float32"), batch_size=4,
+                  verbose=0)
+        engine = backends.get_engine()
+        return (engine.step_advice(model, optimizer_options.step_options(model)),
+                engine.step_path(model))
+
+    dominant = efficiency.analyse([rank_slices(0.1, 10)], 32, None)  # the step: 99%
+    hint, path = hint_after_fit(False)
+    assert (path.name, path.fallback) == ("eager", None)
+    assert ("model.compile(jit_compile=True) (or MGPU_TORCH_COMPILE=1; on by default on a GPU) "
+            "compiles the whole step") in hint, hint
+    assert efficiency.advice(dict(dominant, step_hint=hint)) == (
+        "no cause above 5%: the step itself (compute) dominates; " + hint)
+    capfd.readouterr()
+    hint, path = hint_after_fit(True, ReadsOnHost())
+    line = [x for x in capfd.readouterr().err.splitlines() if "runs eagerly" in x]
+    assert path.name == "eager" and path.fallback.startswith("tracing failed"), path
+    assert hint.startswith(f"on torch its compiled step fell back to eager ({path.fallback})")
+    assert len(line) == 1 and path.fallback in line[0], line  # the reason its one line gave
+    assert efficiency.advice(dict(dominant, step_hint=hint)).endswith(hint)

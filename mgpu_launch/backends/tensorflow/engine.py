@@ -264,6 +264,13 @@ class TensorFlowEngine(shared.KerasFeeding, shared.KerasTrainStep, shared.HostBr
         return tf.function(function, autograph=False, jit_compile=self.compiles_collectives()
                            or None).get_concrete_function(example)
 
+    def step_path(self, model) -> reduction.StepPath:
+        """Keras's TF step: a ``tf.function``, compiled by XLA under ``jit_compile`` (which
+        mgpu turns off where the collectives cannot be compiled), else a TF graph."""
+        if not model.run_eagerly and not model.jit_compile:
+            return reduction.StepPath("graph")
+        return super().step_path(model)
+
     def reduction_advice(self) -> str:
         if self.transport == "mpi" or self.computes_on_accelerator():
             return ""

@@ -321,31 +321,3 @@ def sum_across_ranks():
 
     _SUM_FUNCTION.append(SumAcrossRanksInGraph)
     return SumAcrossRanksInGraph
-
-
-def advice(model, options: StepOptions) -> str:
-    """The efficiency report's word on a torch step that dominates (the engine's step_advice):
-    compile it when it runs eagerly (any device), capture it on a GPU; nothing when it is
-    compiled, or captured, already; the reason when the compiled step fell back."""
-    from mgpu_launch.backends.torch import graph as torch_graph
-
-    step = getattr(model, "train_function", None)
-    if isinstance(step, torch_graph.GraphedTrainStep):
-        step = step.eager_step  # captured around the compiled (or eager) step
-    if isinstance(step, CompiledTrainStep):
-        if not step.fallback:
-            return ""
-        return (f"on torch its compiled step fell back to eager ({step.fallback}); fix that "
-                f"to compile it (docs/torch-compile.md)")
-    found = ""
-    if model.jit_compile is False and static_reason(model, options) is None:
-        found = ("on torch it runs eagerly, bound by the Python that launches its kernels: "
-                 "model.compile(jit_compile=True) (or MGPU_TORCH_COMPILE=1; on by default on a "
-                 "GPU) compiles the whole step, docs/torch-compile.md")
-    if not (torch_graph.requested(options) or torch_graph.static_reason(model, options)):
-        capture = ("DistributedOptimizer(cuda_graph=True) captures it in a CUDA graph "
-                   "(ResNet-50 on an H200: 2.2-3.2x, docs/torch-cuda-graphs.md)")
-        found = (f"{found}; or {capture}" if found else
-                 f"on torch it runs eagerly, bound by the Python that launches its kernels: "
-                 f"{capture}")
-    return found

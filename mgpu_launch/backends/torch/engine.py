@@ -33,10 +33,11 @@ wrapping for every model (docs/backends.md, "PyTorch backend").
 import datetime
 import os
 import sys
+import weakref
 from typing import Any, List, Optional, Sequence
 
 from mgpu_launch.backends import Engine, reduction, shared
-from mgpu_launch.backends.torch import compiled as compiled_step
+from mgpu_launch.backends.torch import compiled as compiled_step, step_path as torch_step_path
 from mgpu_launch.runtime import process_sets, transport_torch
 from mgpu_launch.runtime.rendezvous import (host_and_port, interface_of, job_host_address,
                                             listen, rendezvous)
@@ -84,6 +85,8 @@ class TorchEngine(shared.KerasTrainStep, shared.HostBroadcast, shared.DenseReduc
         self._watched: Optional["GradientBuckets"] = None
         self._groups = {}  # process set id -> its torch.distributed group (None: not a member)
         self._owns_group = False  # whether setup() started torch.distributed (MPI jobs)
+        #: model -> the train step wrap_train_function made for it last (what step_path reads)
+        self._steps: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
     # -- set-up -------------------------------------------------------------------------------
     def setup(self, state) -> None:
@@ -174,19 +177,24 @@ class TorchEngine(shared.KerasTrainStep, shared.HostBroadcast, shared.DenseReduc
             function = getattr(function, "__wrapped__", function)  # torch.compile's wraps
             function = compiled_step.CompiledTrainStep(model, function, options,
                                                        is_chief=chief)
-        if not torch_graph.requested(options):
-            return function
-        return torch_graph.GraphedTrainStep(model, function, options, is_chief=chief)
+        if torch_graph.requested(options):
+            function = torch_graph.GraphedTrainStep(model, function, options, is_chief=chief)
+        self._steps[model] = function
+        return function
 
     def keras_patches(self, hooks):
         """The torch patch set (``backends/torch/patches.py``)."""
         from mgpu_launch.backends.torch import patches
         return patches.patch_set(hooks)
 
+    def step_path(self, model) -> reduction.StepPath:
+        """What the step this engine made for `model` ran as (``step_path.path_of``)."""
+        return torch_step_path.path_of(self._steps.get(model))
+
     def step_advice(self, model, options: reduction.StepOptions) -> str:
         """A step that runs eagerly: compile it (on a GPU also: capture it); nothing when it
-        is compiled or captured already; the reason when it fell back (``compiled.advice``)."""
-        return compiled_step.advice(model, options)
+        is compiled or captured already; the reason when it fell back (``step_path.advice``)."""
+        return torch_step_path.advice(self._steps.get(model), model, options)
 
     def shutdown(self) -> None:
         process_sets.remove_listener(self._set_added, self._set_removed)
