@@ -39,12 +39,16 @@ def make_window_timer(keras, args, total: int, report, ready=lambda: True):
                 self.begun = time.perf_counter()
 
         def on_train_batch_end(self, step, logs=None):
-            if self.first_step is None:
+            first = self.first_step is None
+            if first:
                 float(logs["loss"])  # waits for the device
                 self.first_step = time.perf_counter() - self.begun
             if self.warmup is None and ready():
                 float(logs["loss"])
-                self.warmup, self.ready_step = time.perf_counter() - self.begun, step + 1
+                # ready at the first step: its warm-up IS that step (not the time ready() took)
+                self.warmup = (self.first_step if first
+                               else time.perf_counter() - self.begun)
+                self.ready_step = step + 1
             done = step + 1 - args.warmup_steps  # windows start when the warm-up ends
             if done >= 0 and done % args.window == 0:
                 float(logs["loss"])  # waits for the device

@@ -7,6 +7,8 @@ Framework-free and fast: every check runs in this process (mgpu-train's ``main``
 import pathlib
 import re
 
+import os
+
 import pytest
 
 from mgpu_launcher import cli
@@ -139,8 +141,16 @@ def test_a_typo_is_a_warning_naming_the_closest_setting(monkeypatch, capsys):
         "MGPU_FUSION_MB?)",
         "MGPU_SOMETHING_ELSE_ENTIRELY is not a setting of mgpu-launch and is ignored "
         "(mgpu-train --env lists the known ones)"]
-    # mgpu-train warns and goes on; mgpu.init() in the same process does not repeat it
-    assert cli.main(["-c", "pass"]) == 0
+    # mgpu-train warns and goes on; mgpu.init() in the same process does not repeat it. A job
+    # of one process runs in this process and exports its variables here (MGPU_RANK, RANK,
+    # MASTER_ADDR, KERAS_DISTRIBUTION_*...): they must not reach the jobs later tests start
+    # from this pytest worker, which then read as torchrun's (CI's 2026-11-29 run: 5 failures)
+    saved = dict(os.environ)
+    try:
+        assert cli.main(["-c", "pass"]) == 0
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     err = capsys.readouterr().err
     assert "mgpu-train: warning: MGPU_FUSION_MBS is not a setting" in err and \
         "did you mean MGPU_FUSION_MB?" in err

@@ -50,10 +50,10 @@ def test_a_slow_input_is_named_input(tmp_path):
 
 
 def test_a_job_too_small_to_judge_gets_one_line_naming_its_fixed_costs():
-    # 6 epochs of 4 steps of a 16-unit MLP, each validated on 24 batches: its steps compute
-    # less than the validation, Keras's loop and a 644-byte allreduce cost a step (torch's
-    # eager steps too: with 8 steps and 8 batches they did not). The other jobs here are as
-    # small, and each is still judged: a real cause dominates them.
+    # 6 epochs of 4 steps of a 16-unit MLP, each validated on 24 batches and ended by a
+    # 0.3 s "checkpoint" on every rank: its steps compute less than these, Keras's loop and a
+    # 644-byte allreduce cost a step. The other jobs here are as small, and each is still
+    # judged: a real cause dominates them.
     result = launch_ok("-np", "2", WORKER, "small", timeout=240, **QUIET)
     lines = [re.sub(r"^\[\d+\] ", "", line) for line in result.stdout.splitlines()]
     report = [line for line in lines if line.startswith("mgpu: efficiency")]
