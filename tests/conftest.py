@@ -389,7 +389,18 @@ def mpi_operator_cluster(tmp_path_factory):
     """An MPIJob's launcher and 2 worker pods (tests/clusterkit.py, MpiOperatorCluster) for the
     session; torn down after it (also on failure and Ctrl-C)."""
     from clusterkit import CLUSTER_SH, MpiOperatorCluster
+    import mgpu_launcher
 
+    # The pods have a /tmp of their own (as real pods do): code under the host's /tmp is not
+    # there, and every job would fail on "No module named mgpu_launcher" (seen with a clone in
+    # /tmp/cicheck). Say so once instead.
+    for what, path in (("this checkout", ROOT), ("the installed mgpu_launcher",
+                                                  os.path.dirname(mgpu_launcher.__file__)),
+                       ("Python", sys.prefix)):
+        if os.path.realpath(path).startswith(("/tmp/", "/dev/shm/")):
+            pytest.fail(f"the MPIJob pods cannot see {what} at {path}: they have a /tmp and "
+                        f"/dev/shm of their own; clone and install outside /tmp (CI's checkout "
+                        f"is not under /tmp)", pytrace=False)
     directory = tmp_path_factory.mktemp("mpi_operator")
     with daemons_up(CLUSTER_SH, directory,
                     "root, network namespaces, overlayfs and scripts/install_cluster_deps.sh",
