@@ -72,8 +72,9 @@ LATENCY_BYTES = 1_000_000
 
 
 def _per_step(slices: Sequence[tuple]) -> Dict[int, Dict[str, float]]:
-    """step -> {"begin", "ready", "input", "train", "callbacks", "other", "epoch"} of one rank
-    (ns; "epoch": the part of callbacks and other that is validation and epoch ends)."""
+    """step -> {"begin", "ready", "input", "train", "callbacks", "other", "epoch", "restart"}
+    of one rank (ns; "epoch": the part of callbacks and other that is validation and epoch
+    ends; "restart": the part of the in-step input wait that is the epoch's first batch)."""
     steps: Dict[int, Dict[str, float]] = {}
     for thread, name, category, start, duration, step, parent in slices:
         if thread != 0:
